@@ -1,0 +1,1 @@
+"""metaroce_api: the contract every MetaRoCE component imports."""

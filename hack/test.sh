@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The project's test command (README, and .ci/run runs exactly this): set up what is
+# missing, lint, then run every test tier within its time budget. A tier that collects
+# no test, runs over its budget or fails, fails the run; none is skipped.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+# Time budgets (seconds) sharing CI's 90 minutes; measured figures are in README.
+BUDGET_SETUP=${BUDGET_SETUP:-3000}
+BUDGET_LINT=${BUDGET_LINT:-300}
+BUDGET_UNIT=${BUDGET_UNIT:-300}
+BUDGET_INTEGRATION=${BUDGET_INTEGRATION:-1500}
+BUDGET_E2E=${BUDGET_E2E:-1500}
+
+say() { printf '\n[test] %s\n' "$*" >&2; }
+summary=()
+
+# run_step NAME BUDGET CMD...: run with a budget; record the wall time.
+run_step() {
+  local name=$1 budget=$2; shift 2
+  local start=$SECONDS rc=0
+  say "$name (budget ${budget} s): $*"
+  timeout --kill-after=30 "$budget" "$@" || rc=$?
+  local took=$((SECONDS - start))
+  summary+=("$(printf '%-12s %5d s  (budget %5d s)  exit %d' "$name" "$took" "$budget" "$rc")")
+  if ((rc == 124 || rc == 137)); then
+    say "FAIL: $name ran over its time budget of ${budget} s (took ${took} s)"
+  elif ((rc == 5)); then
+    say "FAIL: $name collected no tests (pytest exit 5): a tier must never be empty"
+  elif ((rc != 0)); then
+    say "FAIL: $name exited $rc"
+  fi
+  if ((rc != 0)); then print_summary; exit 1; fi
+}
+
+print_summary() {
+  say "wall time per step"
+  printf '  %s\n' "${summary[@]}" >&2
+}
+
+run_step setup "$BUDGET_SETUP" bash hack/setup.sh
+run_step lint "$BUDGET_LINT" bash -c '.venv/bin/ruff check . && .venv/bin/ruff format --check . && .venv/bin/mypy api/metaroce_api operator/metaroce_operator node-agent/metaroce_agent hack/metaroce_harness cli/metaroce_cli'
+run_step unit "$BUDGET_UNIT" .venv/bin/pytest tests/unit -q
+run_step integration "$BUDGET_INTEGRATION" .venv/bin/pytest tests/integration -q -m integration --durations=15
+if [[ -d tests/e2e ]] && compgen -G "tests/e2e/test_*.py" >/dev/null; then
+  run_step e2e "$BUDGET_E2E" .venv/bin/pytest tests/e2e -q -m e2e --durations=15
+fi
+print_summary
+say "all tiers passed"
