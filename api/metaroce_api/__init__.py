@@ -1,1 +1,107 @@
-"""metaroce_api: the contract every MetaRoCE component imports."""
+"""metaroce_api: the contract every MetaRoCE component imports.
+
+Models of `MetaRoceNetwork` and `MetaRoceNodeState` (pydantic v2, camelCase on the wire),
+the agent config, validation helpers that apply the CRD's rules in Python, every shared
+name (`constants`), and the CRD generator (`crdgen`).
+"""
+
+from metaroce_api import constants
+from metaroce_api.agentconfig import AgentConfig
+from metaroce_api.base import ApiModel, Case, Rule, StatusModel, parse_duration
+from metaroce_api.common import Condition, LabelSelector, ObjectMeta, Toleration
+from metaroce_api.network import (
+    DEFAULT_NCCL_ENV,
+    AgentSpec,
+    AttachmentSpec,
+    CnpMarking,
+    DataMarking,
+    EtsShare,
+    FailingNode,
+    HealthSpec,
+    MetaRoceNetwork,
+    MetaRoceNetworkSpec,
+    MetaRoceNetworkStatus,
+    NicSelector,
+    NodeCounts,
+    ProbeSpec,
+    QosSpec,
+    RoceSettings,
+    TransportSpec,
+    TransportSummary,
+)
+from metaroce_api.nodestate import (
+    AgentError,
+    AppliedKnob,
+    Device,
+    MetaRoceNodeState,
+    MetaRoceNodeStateStatus,
+    NodeStateSpec,
+    ProbePeer,
+    ProbeSummary,
+    QosReport,
+    SkippedKnob,
+    TransportState,
+    nodestate_labels,
+    nodestate_name,
+)
+from metaroce_api.rules import all_rules
+from metaroce_api.validation import (
+    InvalidObject,
+    Issue,
+    validate_network,
+    validate_network_update,
+    validate_nodestate,
+    validate_nodestate_update,
+)
+
+__all__ = [
+    "DEFAULT_NCCL_ENV",
+    "AgentConfig",
+    "AgentError",
+    "AgentSpec",
+    "ApiModel",
+    "AppliedKnob",
+    "AttachmentSpec",
+    "Case",
+    "CnpMarking",
+    "Condition",
+    "DataMarking",
+    "Device",
+    "EtsShare",
+    "FailingNode",
+    "HealthSpec",
+    "InvalidObject",
+    "Issue",
+    "LabelSelector",
+    "MetaRoceNetwork",
+    "MetaRoceNetworkSpec",
+    "MetaRoceNetworkStatus",
+    "MetaRoceNodeState",
+    "MetaRoceNodeStateStatus",
+    "NicSelector",
+    "NodeCounts",
+    "NodeStateSpec",
+    "ObjectMeta",
+    "ProbePeer",
+    "ProbeSpec",
+    "ProbeSummary",
+    "QosReport",
+    "QosSpec",
+    "RoceSettings",
+    "Rule",
+    "SkippedKnob",
+    "StatusModel",
+    "Toleration",
+    "TransportSpec",
+    "TransportState",
+    "TransportSummary",
+    "all_rules",
+    "constants",
+    "nodestate_labels",
+    "nodestate_name",
+    "parse_duration",
+    "validate_network",
+    "validate_network_update",
+    "validate_nodestate",
+    "validate_nodestate_update",
+]

@@ -1,0 +1,89 @@
+"""Every name the parts of MetaRoCE share: API coordinates, annotations, labels, finalizers.
+
+Kept in one module so that the operator, the agent, the webhook and the chart cannot drift
+apart on a spelling.
+"""
+
+from typing import Final
+
+# --- API coordinates ---------------------------------------------------------------
+GROUP: Final = "metaroce.io"
+VERSION: Final = "v1alpha1"
+API_VERSION: Final = "metaroce.io/v1alpha1"
+CATEGORY: Final = "metaroce"
+"""`kubectl get metaroce` lists both kinds."""
+
+NETWORK_KIND: Final = "MetaRoceNetwork"
+NETWORK_LIST_KIND: Final = "MetaRoceNetworkList"
+NETWORK_PLURAL: Final = "metarocenetworks"
+NETWORK_SINGULAR: Final = "metarocenetwork"
+NETWORK_SHORT_NAMES: Final = ("mrn",)
+NETWORK_CRD_NAME: Final = "metarocenetworks.metaroce.io"
+
+NODESTATE_KIND: Final = "MetaRoceNodeState"
+NODESTATE_LIST_KIND: Final = "MetaRoceNodeStateList"
+NODESTATE_PLURAL: Final = "metarocenodestates"
+NODESTATE_SINGULAR: Final = "metarocenodestate"
+NODESTATE_SHORT_NAMES: Final = ("mrns",)
+NODESTATE_CRD_NAME: Final = "metarocenodestates.metaroce.io"
+
+# --- annotations ---------------------------------------------------------------------
+NETWORKS_ANNOTATION: Final = f"{GROUP}/networks"
+"""On a Pod: `<name>[,<name>...]`, the networks the pod asks for (the webhook's trigger)."""
+INJECTED_ANNOTATION: Final = f"{GROUP}/injected"
+"""On a Pod: what the webhook injected (JSON), so a reader need not diff the pod spec."""
+CONFIG_HASH_ANNOTATION: Final = f"{GROUP}/config-hash"
+"""On the agent pod template: hash of the rendered agent config, so a change rolls the agents."""
+
+# --- labels ----------------------------------------------------------------------------
+NETWORK_LABEL: Final = f"{GROUP}/network"
+"""On every child object and NodeState: the network it belongs to."""
+NODE_LABEL: Final = f"{GROUP}/node"
+"""On a NodeState: the node it reports on."""
+COMPONENT_LABEL: Final = "app.kubernetes.io/component"
+NAME_LABEL: Final = "app.kubernetes.io/name"
+INSTANCE_LABEL: Final = "app.kubernetes.io/instance"
+PART_OF_LABEL: Final = "app.kubernetes.io/part-of"
+MANAGED_BY_LABEL: Final = "app.kubernetes.io/managed-by"
+APP_NAME: Final = "metaroce"
+MANAGED_BY: Final = "metaroce-operator"
+COMPONENT_AGENT: Final = "node-agent"
+COMPONENT_OPERATOR: Final = "operator"
+
+# --- finalizers, field managers, taints -------------------------------------------------
+CLEANUP_FINALIZER: Final = f"{GROUP}/cleanup"
+"""Held on a network with `cleanupOnDelete: true` until every agent has reverted its node."""
+FIELD_MANAGER: Final = "metaroce-operator"
+"""The one server-side-apply field manager of the operator."""
+AGENT_FIELD_MANAGER: Final = "metaroce-agent"
+UNHEALTHY_TAINT_KEY: Final = f"{GROUP}/rdma-unhealthy"
+"""NoSchedule taint put on nodes whose RDMA probe fails (health.action: taint)."""
+UNHEALTHY_TAINT_EFFECT: Final = "NoSchedule"
+
+# --- resource and object names ----------------------------------------------------------
+RESOURCE_NAME_TEMPLATE: Final = GROUP + "/{network}"
+"""Default extended resource of a network: `metaroce.io/<network>`."""
+AGENT_CONFIG_KEY: Final = "agent-config.yaml"
+"""Key of the rendered agent config in the per-network ConfigMap."""
+MAX_NETWORK_NAME_LENGTH: Final = 63
+"""A network name is used in label values and resource names, both limited to 63."""
+MAX_OBJECT_NAME_LENGTH: Final = 253
+
+# --- conditions --------------------------------------------------------------------------
+CONDITION_READY: Final = "Ready"
+CONDITION_PROGRESSING: Final = "Progressing"
+CONDITION_DEGRADED: Final = "Degraded"
+CONDITION_TYPES: Final = (CONDITION_READY, CONDITION_PROGRESSING, CONDITION_DEGRADED)
+
+# Reasons (CamelCase, as metav1.Condition requires).
+REASON_RECONCILED: Final = "Reconciled"
+REASON_ROLLING_OUT: Final = "RollingOut"
+REASON_WAITING_FOR_NODES: Final = "WaitingForNodes"
+REASON_NO_MATCHING_NODES: Final = "NoMatchingNodes"
+REASON_NODES_FAILED: Final = "NodesFailed"
+REASON_NODES_UNHEALTHY: Final = "NodesUnhealthy"
+REASON_INVALID_SPEC: Final = "InvalidSpec"
+REASON_NIC_CONFLICT: Final = "NicConflict"
+REASON_RENDER_FAILED: Final = "RenderFailed"
+REASON_CLEANING_UP: Final = "CleaningUp"
+REASON_AS_EXPECTED: Final = "AsExpected"

@@ -1,0 +1,632 @@
+"""`MetaRoceNetwork`: one RDMA network, as the platform team describes it (spec) and as the
+operator reports it (status).
+
+Defaults follow common practice: classic RoCEv2 runs the `lossless` profile (trust DSCP,
+data DSCP 26 on priority 3 with PFC on 3, CNPs DSCP 48 on priority 6, ECN for DCQCN);
+MetaRoCE-style transports run `lossy` (no PFC, ECN on).
+"""
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, model_validator
+
+from metaroce_api.base import (
+    RESOURCE_NAME_RE,
+    ApiModel,
+    Case,
+    Dscp,
+    Duration,
+    Fraction,
+    ListType,
+    NodeName,
+    Priority,
+    Quantity,
+    Rule,
+    ShortText,
+    StatusModel,
+    defaults_to,
+    defaults_to_model,
+    parse_duration,
+)
+from metaroce_api.common import Conditions, LabelSelector, NetworkMeta, Toleration
+from metaroce_api.constants import API_VERSION, NETWORK_KIND, RESOURCE_NAME_TEMPLATE
+
+TransportMode = Literal["auto", "rocev2", "softroce", "metaroce"]
+ActiveTransport = Literal["rocev2", "softroce", "metaroce", "mixed", "none"]
+QosProfile = Literal["lossless", "lossy", "custom"]
+NcclVariable = Literal[
+    "NCCL_IB_HCA",
+    "NCCL_IB_GID_INDEX",
+    "NCCL_IB_TC",
+    "NCCL_IB_QPS_PER_CONNECTION",
+    "NCCL_IB_TIMEOUT",
+    "NCCL_IB_RETRY_CNT",
+    "NCCL_SOCKET_IFNAME",
+]
+DEFAULT_NCCL_ENV: list[NcclVariable] = [
+    "NCCL_IB_HCA",
+    "NCCL_IB_GID_INDEX",
+    "NCCL_IB_TC",
+    "NCCL_IB_QPS_PER_CONNECTION",
+    "NCCL_IB_TIMEOUT",
+    "NCCL_IB_RETRY_CNT",
+]
+"""Everything the network determines; NCCL_SOCKET_IFNAME needs `socketInterface`."""
+
+Glob = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[-A-Za-z0-9_.:*?\[\]!]+$")]
+PciId = Annotated[str, Field(min_length=4, max_length=6, pattern=r"^(0x)?[0-9a-fA-F]{4}$")]
+DriverName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+InterfaceName = Annotated[str, Field(min_length=1, max_length=15, pattern=r"^[^\s/:]+$")]
+
+
+def _spec(**spec: Any) -> dict[str, Any]:
+    """A Case patch on the spec (keeps the rule tables short)."""
+    return {"spec": spec}
+
+
+# --- nics ----------------------------------------------------------------------------------
+
+
+class NicSelector(ApiModel):
+    """Which NICs of a node belong to the network.
+
+    A NIC must match one entry of every list that is set (OR inside a list, AND across
+    lists). At least one list must be set: a network never takes every NIC of a node.
+    """
+
+    interface_names: (
+        Annotated[list[Glob], Field(min_length=1, max_length=32), ListType("set")] | None
+    ) = None
+    """Netdev name globs, e.g. `ens1f*`."""
+    pci_vendor_ids: (
+        Annotated[list[PciId], Field(min_length=1, max_length=16), ListType("set")] | None
+    ) = None
+    """PCI vendor ids as in sysfs, e.g. `0x15b3` (NVIDIA/Mellanox)."""
+    pci_device_ids: (
+        Annotated[list[PciId], Field(min_length=1, max_length=32), ListType("set")] | None
+    ) = None
+    """PCI device ids, e.g. `0x101d` (ConnectX-6 Dx)."""
+    drivers: (
+        Annotated[list[DriverName], Field(min_length=1, max_length=16), ListType("set")] | None
+    ) = None
+    """Kernel drivers of the netdev, e.g. `mlx5_core`, `virtio_net`."""
+    rdma_devices: (
+        Annotated[list[Glob], Field(min_length=1, max_length=32), ListType("set")] | None
+    ) = None
+    """RDMA device name globs, e.g. `mlx5_*`, `rxe*`."""
+
+    cel_rules = (
+        Rule(
+            name="nics-select-something",
+            cel=(
+                "has(self.interfaceNames) || has(self.pciVendorIds) || has(self.pciDeviceIds)"
+                " || has(self.drivers) || has(self.rdmaDevices)"
+            ),
+            message=(
+                "nics selects no NIC: set at least one of interfaceNames, pciVendorIds, "
+                "pciDeviceIds, drivers, rdmaDevices"
+            ),
+            check=lambda s: any(
+                (s.interface_names, s.pci_vendor_ids, s.pci_device_ids, s.drivers, s.rdma_devices)
+            ),
+            rejects=Case(_spec(nics={"interfaceNames": None}), field="spec.nics"),
+            accepts=Case(_spec(nics={"interfaceNames": None, "drivers": ["mlx5_core"]})),
+        ),
+    )
+
+
+# --- transport -------------------------------------------------------------------------------
+
+
+class RoceSettings(ApiModel):
+    """RoCE addressing, for the `rocev2` and `softroce` transports."""
+
+    version: Literal[1, 2] = 2
+    """RoCE version (rdma_cm `default_roce_mode`); v1 is not routable."""
+    gid_index: Annotated[int, Field(ge=0, le=255)] | None = None
+    """Pin a GID index; unset = the first RoCE v2 GID of `addressFamily` on each port."""
+    address_family: Literal["ipv4", "ipv6"] = "ipv4"
+    """Which GIDs to use when `gidIndex` is unset."""
+
+
+class TransportSpec(ApiModel):
+    """The RDMA transport the nodes run."""
+
+    mode: TransportMode = "auto"
+    """`auto` uses hardware RoCEv2 where a node has it; `rocev2` requires hardware;
+    `softroce` creates rdma_rxe devices on the selected netdevs; `metaroce` runs the
+    MetaRoCE transport (no PFC, multipath spraying, selective retransmit)."""
+    mtu: Annotated[int, Field(ge=1280, le=9216)] | None = None
+    """Netdev MTU to set on the selected interfaces; unset = leave it. The RoCE path MTU
+    becomes the largest of 1024/2048/4096 that fits (4096 needs >= 4200)."""
+    roce: RoceSettings = defaults_to_model(RoceSettings)
+    qps_per_connection: Annotated[int, Field(ge=1, le=128)] = 1
+    """Queue pairs per connection (NCCL_IB_QPS_PER_CONNECTION): more QPs give ECMP more
+    entropy on classic RoCEv2; MetaRoCE sprays within one connection."""
+    ack_timeout: Annotated[int, Field(ge=1, le=31)] = 20
+    """Local ACK timeout exponent: 4.096 us x 2^n (NCCL_IB_TIMEOUT; 20 is about 4 s)."""
+    retry_count: Annotated[int, Field(ge=0, le=7)] = 7
+    """Transport retries before a QP fails (NCCL_IB_RETRY_CNT)."""
+    allow_soft_roce_fallback: bool = False
+    """With mode `auto`: a node without hardware RoCE gets SoftRoCE instead of failing."""
+
+    cel_rules = (
+        Rule(
+            name="softroce-fallback-needs-auto",
+            cel="!self.allowSoftRoceFallback || self.mode == 'auto'",
+            field=".allowSoftRoceFallback",
+            message="allowSoftRoceFallback applies only to mode auto: remove it or set mode: auto",
+            check=lambda s: not s.allow_soft_roce_fallback or s.mode == "auto",
+            rejects=Case(
+                _spec(transport={"mode": "rocev2", "allowSoftRoceFallback": True}),
+                field="spec.transport.allowSoftRoceFallback",
+            ),
+            accepts=Case(_spec(transport={"mode": "auto", "allowSoftRoceFallback": True})),
+        ),
+        Rule(
+            name="softroce-is-roce-v2",
+            cel="self.mode != 'softroce' || self.roce.version == 2",
+            field=".roce.version",
+            message="SoftRoCE (rdma_rxe) speaks RoCE v2 only: set roce.version: 2",
+            check=lambda s: s.mode != "softroce" or s.roce.version == 2,
+            rejects=Case(
+                _spec(transport={"mode": "softroce", "roce": {"version": 1}}),
+                field="spec.transport.roce.version",
+            ),
+            accepts=Case(_spec(transport={"mode": "rocev2", "roce": {"version": 1}})),
+        ),
+    )
+
+
+# --- qos ---------------------------------------------------------------------------------------
+
+
+class DataMarking(ApiModel):
+    """How RDMA data packets are marked."""
+
+    dscp: Dscp = 26
+    """DSCP of RoCE data (26 by common convention; rdma_cm `default_roce_tos` = dscp << 2)."""
+    priority: Priority = 3
+    """802.1p priority the DSCP maps to (3 by common convention)."""
+
+
+class CnpMarking(ApiModel):
+    """How congestion notification packets (DCQCN CNPs) are marked."""
+
+    dscp: Dscp = 48
+    """DSCP of CNPs (48 by common convention)."""
+    priority: Priority = 6
+    """802.1p priority of CNPs (6 by common convention)."""
+
+
+class EtsShare(ApiModel):
+    """The minimum bandwidth share of one priority (each priority in its own class)."""
+
+    priority: Priority
+    bandwidth_percent: Annotated[int, Field(ge=1, le=100)]
+
+
+class QosSpec(ApiModel):
+    """Node QoS for RDMA traffic."""
+
+    profile: QosProfile = "lossless"
+    """`lossless` (classic RoCEv2): trust DSCP, PFC on the data priority, ECN for DCQCN.
+    `lossy` (MetaRoCE-style): no PFC, ECN on. `custom`: only what is written here."""
+    data: DataMarking = defaults_to_model(DataMarking)
+    cnp: CnpMarking = defaults_to_model(CnpMarking)
+    pfc_priorities: Annotated[list[Priority], Field(max_length=8), ListType("set")] | None = None
+    """Priorities with PFC. Unset = what the profile implies (lossless: the data priority;
+    lossy and custom: none). Only the data priority may have PFC."""
+    ets: (
+        Annotated[list[EtsShare], Field(min_length=1, max_length=8), ListType("map", ("priority",))]
+        | None
+    ) = None
+    """ETS bandwidth shares, summing to 100; unset = leave the NIC's ETS as it is."""
+    ecn: bool = True
+    """ECN marking and reaction (DCQCN on RoCEv2 NICs); both profiles need it."""
+    on_unsupported: Literal["error", "skip"] = "skip"
+    """A knob the NIC or driver lacks (e.g. PFC on SoftRoCE): `skip` reports it in the
+    NodeState and goes on; `error` fails the node."""
+
+    def effective_pfc_priorities(self) -> list[int]:
+        """PFC priorities after the profile's default."""
+        if self.pfc_priorities is not None:
+            return sorted(self.pfc_priorities)
+        return [self.data.priority] if self.profile == "lossless" else []
+
+    cel_rules = (
+        Rule(
+            name="lossy-has-no-pfc",
+            cel=(
+                "self.profile != 'lossy' || !has(self.pfcPriorities)"
+                " || size(self.pfcPriorities) == 0"
+            ),
+            field=".pfcPriorities",
+            message=(
+                "profile lossy runs without PFC: remove pfcPriorities, or use profile "
+                "lossless (PFC on the data priority)"
+            ),
+            check=lambda s: s.profile != "lossy" or not s.pfc_priorities,
+            rejects=Case(
+                _spec(qos={"profile": "lossy", "pfcPriorities": [3]}),
+                field="spec.qos.pfcPriorities",
+            ),
+            accepts=Case(_spec(qos={"profile": "lossy", "pfcPriorities": []})),
+        ),
+        Rule(
+            name="pfc-only-on-data-priority",
+            cel="!has(self.pfcPriorities) || self.pfcPriorities.all(p, p == self.data.priority)",
+            field=".pfcPriorities",
+            message=(
+                "PFC may be enabled only on the RDMA data priority (qos.data.priority): "
+                "remove the other priorities from pfcPriorities"
+            ),
+            check=lambda s: all(p == s.data.priority for p in s.pfc_priorities or ()),
+            rejects=Case(
+                _spec(qos={"profile": "custom", "pfcPriorities": [3, 4]}),
+                field="spec.qos.pfcPriorities",
+            ),
+            accepts=Case(_spec(qos={"profile": "custom", "pfcPriorities": [3]})),
+        ),
+        Rule(
+            name="lossless-needs-pfc",
+            cel=(
+                "self.profile != 'lossless' || !has(self.pfcPriorities)"
+                " || self.data.priority in self.pfcPriorities"
+            ),
+            field=".pfcPriorities",
+            message=(
+                "profile lossless needs PFC on the data priority: add qos.data.priority to "
+                "pfcPriorities (or remove pfcPriorities), or use profile lossy"
+            ),
+            check=lambda s: (
+                s.profile != "lossless"
+                or s.pfc_priorities is None
+                or s.data.priority in s.pfc_priorities
+            ),
+            rejects=Case(
+                _spec(qos={"profile": "lossless", "pfcPriorities": []}),
+                field="spec.qos.pfcPriorities",
+            ),
+            accepts=Case(
+                _spec(qos={"profile": "lossless", "data": {"priority": 5}, "pfcPriorities": [5]})
+            ),
+        ),
+        Rule(
+            name="profiles-need-ecn",
+            cel="self.profile == 'custom' || self.ecn",
+            field=".ecn",
+            message=(
+                "profiles lossless (DCQCN) and lossy both rely on ECN: set ecn: true, "
+                "or use profile custom"
+            ),
+            check=lambda s: s.profile == "custom" or s.ecn,
+            rejects=Case(_spec(qos={"profile": "lossy", "ecn": False}), field="spec.qos.ecn"),
+            accepts=Case(_spec(qos={"profile": "custom", "ecn": False})),
+        ),
+        Rule(
+            name="cnp-dscp-differs-from-data",
+            cel="self.cnp.dscp != self.data.dscp",
+            field=".cnp.dscp",
+            message=(
+                "CNPs must not share the data DSCP (they would queue behind the traffic "
+                "they throttle): pick another cnp.dscp (48 by convention)"
+            ),
+            check=lambda s: s.cnp.dscp != s.data.dscp,
+            rejects=Case(_spec(qos={"cnp": {"dscp": 26}}), field="spec.qos.cnp.dscp"),
+            accepts=Case(_spec(qos={"cnp": {"dscp": 46}})),
+        ),
+        Rule(
+            name="ets-sums-to-100",
+            cel="!has(self.ets) || self.ets.map(e, e.bandwidthPercent).sum() == 100",
+            field=".ets",
+            message="ETS bandwidth shares must add up to 100: fix bandwidthPercent values",
+            check=lambda s: s.ets is None or sum(e.bandwidth_percent for e in s.ets) == 100,
+            rejects=Case(
+                _spec(qos={"ets": [{"priority": 3, "bandwidthPercent": 60}]}),
+                field="spec.qos.ets",
+            ),
+            accepts=Case(
+                _spec(
+                    qos={
+                        "ets": [
+                            {"priority": 3, "bandwidthPercent": 60},
+                            {"priority": 0, "bandwidthPercent": 40},
+                        ]
+                    }
+                )
+            ),
+        ),
+    )
+
+
+# --- attachment, health, agent ---------------------------------------------------------------
+
+
+class AttachmentSpec(ApiModel):
+    """How pods attach to the network."""
+
+    resource_name: (
+        Annotated[str, Field(min_length=3, max_length=253, pattern=RESOURCE_NAME_RE)] | None
+    ) = None
+    """Extended resource pods request; unset = `metaroce.io/<network>`. Immutable: pods and
+    kubelets already use it."""
+    pods_per_device: Annotated[int, Field(ge=1, le=1024)] = 1
+    """How many pods may share one RDMA device (more than 1 = shared mode)."""
+    nccl_env: Annotated[list[NcclVariable], Field(max_length=16), ListType("set")] = defaults_to(
+        DEFAULT_NCCL_ENV
+    )
+    """NCCL variables the webhook injects into pods, computed from this network."""
+    socket_interface: InterfaceName | None = None
+    """Pod interface for NCCL's bootstrap sockets (NCCL_SOCKET_IFNAME), e.g. `eth0`."""
+
+    def effective_resource_name(self, network: str) -> str:
+        """The resource name, after the `metaroce.io/<network>` default."""
+        return self.resource_name or RESOURCE_NAME_TEMPLATE.format(network=network)
+
+    cel_rules = (
+        Rule(
+            name="socket-ifname-needs-interface",
+            cel="!('NCCL_SOCKET_IFNAME' in self.ncclEnv) || has(self.socketInterface)",
+            field=".socketInterface",
+            message=(
+                "ncclEnv lists NCCL_SOCKET_IFNAME but socketInterface is unset: set "
+                "socketInterface (e.g. eth0) or remove NCCL_SOCKET_IFNAME from ncclEnv"
+            ),
+            check=lambda s: "NCCL_SOCKET_IFNAME" not in s.nccl_env or s.socket_interface,
+            rejects=Case(
+                _spec(attachment={"ncclEnv": ["NCCL_SOCKET_IFNAME"]}),
+                field="spec.attachment.socketInterface",
+            ),
+            accepts=Case(
+                _spec(attachment={"ncclEnv": ["NCCL_SOCKET_IFNAME"], "socketInterface": "eth0"})
+            ),
+        ),
+        Rule(
+            name="resource-name-immutable",
+            cel=(
+                "(has(self.resourceName) ? self.resourceName : '') == "
+                "(has(oldSelf.resourceName) ? oldSelf.resourceName : '')"
+            ),
+            field=".resourceName",
+            message=(
+                "attachment.resourceName is immutable (pods request it, kubelets advertise "
+                "it): keep the old value, or create a new network"
+            ),
+            check_update=lambda new, old: new.resource_name == old.resource_name,
+            rejects=Case(
+                _spec(attachment={"resourceName": "example.com/other"}),
+                field="spec.attachment.resourceName",
+                before=_spec(attachment={"resourceName": "example.com/rdma"}),
+            ),
+            accepts=Case(
+                _spec(attachment={"resourceName": "example.com/rdma", "podsPerDevice": 2}),
+                before=_spec(attachment={"resourceName": "example.com/rdma"}),
+            ),
+        ),
+    )
+
+
+class ProbeSpec(ApiModel):
+    """The RDMA probe each agent runs to a few peers (RC for latency, UD for loss)."""
+
+    enabled: bool = True
+    peers_per_node: Annotated[int, Field(ge=1, le=64)] = 3
+    """How many peers each node probes (chosen so every node is probed by others too)."""
+    interval: Duration = "30s"
+    """Time between probe rounds (at least 1s)."""
+    max_latency_microseconds: Annotated[int, Field(ge=1, le=10_000_000)] = 1000
+    """A peer slower than this (p99 round trip) counts as failing."""
+    max_loss_fraction: Fraction = 0.01
+    """A peer losing more than this fraction of probes counts as failing."""
+
+    cel_rules = (
+        Rule(
+            name="probe-interval-at-least-1s",
+            cel="duration(self.interval) >= duration('1s')",
+            field=".interval",
+            message="health.probe.interval must be at least 1s: probes cost the fabric bandwidth",
+            check=lambda s: parse_duration(s.interval).total_seconds() >= 1,
+            rejects=Case(
+                _spec(health={"probe": {"interval": "500ms"}}),
+                field="spec.health.probe.interval",
+            ),
+            accepts=Case(_spec(health={"probe": {"interval": "1s"}})),
+        ),
+    )
+
+
+class HealthSpec(ApiModel):
+    """How node RDMA health is judged and what a failing node gets."""
+
+    probe: ProbeSpec = defaults_to_model(ProbeSpec)
+    action: Literal["condition", "taint"] = "condition"
+    """`condition`: failing nodes are reported; `taint`: also tainted
+    `metaroce.io/rdma-unhealthy:NoSchedule` (capped by `maxTaintedFraction`)."""
+    max_tainted_fraction: Fraction = 0.1
+    """At most this fraction of the network's nodes is tainted at once, so one bad peer
+    cannot taint everyone."""
+
+    cel_rules = (
+        Rule(
+            name="taint-needs-probe",
+            cel="self.action != 'taint' || self.probe.enabled",
+            field=".action",
+            message=(
+                "action taint acts on probe results: enable health.probe or use action: condition"
+            ),
+            check=lambda s: s.action != "taint" or s.probe.enabled,
+            rejects=Case(
+                _spec(health={"action": "taint", "probe": {"enabled": False}}),
+                field="spec.health.action",
+            ),
+            accepts=Case(_spec(health={"action": "condition", "probe": {"enabled": False}})),
+        ),
+    )
+
+
+class AgentResources(ApiModel):
+    """Requests and limits of the agent container."""
+
+    requests: Annotated[dict[str, Quantity], Field(max_length=8)] = defaults_to(
+        {"cpu": "50m", "memory": "64Mi"}
+    )
+    limits: Annotated[dict[str, Quantity], Field(max_length=8)] = defaults_to({"memory": "256Mi"})
+
+
+def _max_unavailable_ok(value: int | str) -> bool:
+    if isinstance(value, int):
+        return value >= 1
+    digits = value.removesuffix("%")
+    return value.endswith("%") and digits.isdigit() and 1 <= int(digits) <= 100
+
+
+class UpdateStrategy(ApiModel):
+    """Rolling update of the agent DaemonSet."""
+
+    max_unavailable: Annotated[int | str, Field(json_schema_extra={"maxLength": 4})] = 1
+    """Agents restarted at once: a count (>= 1) or a percentage such as `10%`."""
+
+    cel_rules = (
+        Rule(
+            name="max-unavailable-count-or-percent",
+            cel=(
+                "type(self.maxUnavailable) == int ? self.maxUnavailable >= 1 : "
+                "self.maxUnavailable.matches('^([1-9][0-9]?|100)%$')"
+            ),
+            field=".maxUnavailable",
+            message=(
+                "maxUnavailable is neither a count >= 1 nor a percentage 1%-100%: "
+                "write e.g. 1 or 10%"
+            ),
+            check=lambda s: _max_unavailable_ok(s.max_unavailable),
+            rejects=Case(
+                _spec(agent={"updateStrategy": {"maxUnavailable": "0%"}}),
+                field="spec.agent.updateStrategy.maxUnavailable",
+            ),
+            accepts=Case(_spec(agent={"updateStrategy": {"maxUnavailable": "25%"}})),
+        ),
+    )
+
+
+class AgentSpec(ApiModel):
+    """The per-node agent DaemonSet."""
+
+    image: Annotated[str, Field(min_length=1, max_length=512, pattern=r"^[^\s]+$")] | None = None
+    """Agent image; unset = the image the chart pins for this operator version."""
+    resources: AgentResources = defaults_to_model(AgentResources)
+    update_strategy: UpdateStrategy = defaults_to_model(UpdateStrategy)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    drift_interval: Duration = "5m"
+    """How often the agent reads every applied knob back and re-applies what changed."""
+
+
+# --- spec, status, object ------------------------------------------------------------------------
+
+
+class MetaRoceNetworkSpec(ApiModel):
+    """What one RDMA network is: the nodes and NICs it takes, and how they are configured."""
+
+    node_selector: LabelSelector = defaults_to_model(LabelSelector)
+    """Nodes that run the network's agent; empty = every node."""
+    tolerations: Annotated[list[Toleration], Field(max_length=32), ListType("atomic")] | None = None
+    """Tolerations of the agent pods (e.g. for GPU node taints)."""
+    nics: NicSelector
+    transport: TransportSpec = defaults_to_model(TransportSpec)
+    qos: QosSpec = defaults_to_model(QosSpec)
+    attachment: AttachmentSpec = defaults_to_model(AttachmentSpec)
+    health: HealthSpec = defaults_to_model(HealthSpec)
+    agent: AgentSpec = defaults_to_model(AgentSpec)
+    cleanup_on_delete: bool = False
+    """Revert node settings when the network is deleted (and only then: an agent stopped by
+    a rollout, eviction or shutdown leaves the node as it is for the jobs using it)."""
+
+    cel_rules = (
+        Rule(
+            name="metaroce-is-not-lossless",
+            cel="self.transport.mode != 'metaroce' || self.qos.profile != 'lossless'",
+            field=".qos.profile",
+            message=(
+                "transport metaroce runs without PFC (it tolerates loss): set qos.profile "
+                "to lossy (or custom)"
+            ),
+            check=lambda s: s.transport.mode != "metaroce" or s.qos.profile != "lossless",
+            rejects=Case(
+                _spec(transport={"mode": "metaroce"}, qos={"profile": "lossless"}),
+                field="spec.qos.profile",
+            ),
+            accepts=Case(_spec(transport={"mode": "metaroce"}, qos={"profile": "lossy"})),
+        ),
+    )
+
+
+class NodeCounts(StatusModel):
+    """Node counts of a network; `summary` is `configured/desired` for `kubectl get`."""
+
+    desired: Annotated[int, Field(ge=0)] = 0
+    """Nodes the selector matches."""
+    configured: Annotated[int, Field(ge=0)] = 0
+    """Nodes whose agent applied the current generation."""
+    healthy: Annotated[int, Field(ge=0)] = 0
+    """Configured nodes whose probe passes."""
+    failed: Annotated[int, Field(ge=0)] = 0
+    """Nodes whose agent reports an error."""
+    summary: Annotated[str, Field(max_length=32)] = "0/0"
+    """Filled in from the counts; input is ignored."""
+
+    @model_validator(mode="after")
+    def _summarise(self) -> "NodeCounts":
+        self.summary = f"{self.configured}/{self.desired}"
+        return self
+
+
+class FailingNode(StatusModel):
+    """One node that fails, and why."""
+
+    node: NodeName
+    reason: Annotated[str, Field(min_length=1, max_length=128)]
+    message: ShortText = ""
+
+
+class TransportSummary(StatusModel):
+    """Which transport the network's nodes actually run."""
+
+    active: ActiveTransport = "none"
+    """The one transport all configured nodes run, or `mixed`."""
+    nodes_by_mode: Annotated[dict[str, Annotated[int, Field(ge=0)]], Field(max_length=8)] | None = (
+        None
+    )
+    """Configured nodes per transport, e.g. {rocev2: 30, softroce: 2}."""
+
+
+class MetaRoceNetworkStatus(StatusModel):
+    """What the operator observes; written through the status subresource."""
+
+    observed_generation: Annotated[int, Field(ge=0)] | None = None
+    conditions: Conditions | None = None
+    """Ready, Progressing, Degraded."""
+    nodes: NodeCounts | None = None
+    failing_nodes: (
+        Annotated[list[FailingNode], Field(max_length=10), ListType("map", ("node",))] | None
+    ) = None
+    """Up to 10 failing nodes; `nodes.failed` has the full count."""
+    transport: TransportSummary | None = None
+
+
+class MetaRoceNetwork(ApiModel):
+    """A MetaRoceNetwork object (cluster-scoped)."""
+
+    api_version: Literal["metaroce.io/v1alpha1"] = API_VERSION
+    kind: Literal["MetaRoceNetwork"] = NETWORK_KIND
+    metadata: NetworkMeta
+    spec: MetaRoceNetworkSpec
+    status: MetaRoceNetworkStatus | None = None
+
+    @property
+    def name(self) -> str:
+        return self.metadata.name
+
+    @property
+    def resource_name(self) -> str:
+        """The extended resource pods request for this network."""
+        return self.spec.attachment.effective_resource_name(self.metadata.name)
