@@ -2,7 +2,7 @@
 # Build the pinned Kubernetes binaries (etcd, kube-apiserver, kube-controller-manager,
 # kube-scheduler, kubectl, kubelet, kwok, helm) from the Go module proxy into
 #   ${XDG_CACHE_HOME:-~/.cache}/metaroce/k8s/<key>/bin
-# where <key> hashes hack/versions.env and this script. Idempotent: a finished build is
+# where <key> hashes this script's pins in hack/versions.env and the script itself. Idempotent: a finished build is
 # reused. Prints the bin directory on its last line of stdout.
 set -euo pipefail
 
@@ -11,7 +11,10 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 source "$here/versions.env"
 
 cache_root="${XDG_CACHE_HOME:-$HOME/.cache}/metaroce"
-key=$(cat "$here/versions.env" "$here/build-k8s.sh" | sha256sum | cut -c1-12)
+# Keyed on the pins this script uses (not the guest's), so a guest pin change does not
+# rebuild Kubernetes.
+key=$( { grep -E '^(KUBERNETES|ETCD|KWOK|HELM)_' "$here/versions.env"; cat "$here/build-k8s.sh"; } \
+  | sha256sum | cut -c1-12)
 out="$cache_root/k8s/$key"
 bin="$out/bin"
 logs="$out/logs"
