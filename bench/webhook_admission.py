@@ -1,0 +1,501 @@
+"""Admission webhooks: pod creation throughput and latency, side by side in one run.
+
+Not a timed test: it prints the figures and whether each target holds.
+
+On a local control plane (the harness), with the webhook set-up of the integration tests
+(chart-rendered configurations, one webhook replica in the pod network behind the
+Service, certificates from the leader's code):
+
+1. throughput: rounds of N pod creations (K concurrent keep-alive HTTPS clients, one
+   pre-encoded body per arm), four arms interleaved round by round in alternating order:
+   unannotated / annotated pods, each with the webhook configurations installed and
+   deleted. Two modes: `create` times the API calls of pods gated from scheduling (the
+   admission path alone: the webhook's worst case), `start` times until the pods run on
+   kwok nodes (what a Job sees). Pods are deleted between rounds (not timed). Ratio =
+   pods/s with webhooks / pods/s without, from the totals of every round of the two arms
+   (targets: >= 0.98 unannotated, >= 0.9 annotated), with the control plane's CPU per
+   pod beside it (utime+stime of etcd, apiserver, controllers, kwok and the webhook): the
+   CPU-cost ratio is what a CPU-bound control plane would show, whatever else the host
+   runs;
+2. latency: annotated pods created open-loop at 50 pods/s with the webhooks installed;
+   p99 of the webhook call as the apiserver times it
+   (`apiserver_admission_webhook_admission_duration_seconds`, interpolated in its
+   buckets), as the webhook server times it (its own histogram), and the creation
+   latency the client sees, against unannotated pods at the same rate (target: <= 10 ms).
+
+    .venv/bin/python bench/webhook_admission.py [--rounds 12] [--pods 100] [--concurrency 8]
+        [--modes create,start] [--rate 50] [--latency-seconds 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import ssl
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests" / "integration"))
+
+from test_webhooks_env import WebhookEnv, wait_for  # noqa: E402
+
+from metaroce_api import constants as c  # noqa: E402
+from metaroce_harness.cluster import FakeNode, LocalCluster  # noqa: E402
+
+NAMESPACE = "bench"
+GATE = "bench.metaroce.io/hold"
+WEBHOOK = "pods.metaroce.io"
+
+
+def pod_body(network: str | None, *, gated: bool = True) -> bytes:
+    meta: dict[str, Any] = {"generateName": "b-", "labels": {"bench": "1"}}
+    if network:
+        meta["annotations"] = {c.NETWORKS_ANNOTATION: network}
+    spec: dict[str, Any] = {"containers": [{"name": "main", "image": "registry.invalid/train:1"}]}
+    if gated:
+        spec["schedulingGates"] = [{"name": GATE}]
+    return json.dumps({"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}).encode()
+
+
+def running(client: Client) -> int:
+    status, data = client.request(
+        "GET",
+        f"/api/v1/namespaces/{NAMESPACE}/pods?labelSelector=bench%3D1"
+        "&fieldSelector=status.phase%3DRunning",
+    )
+    return len(json.loads(data)["items"]) if status == 200 else 0
+
+
+class Client:
+    """Keep-alive HTTPS to the apiserver as admin (cheap per request, same for every arm)."""
+
+    def __init__(self, cluster: LocalCluster) -> None:
+        self.port = cluster.api_port
+        self.ctx = ssl.create_default_context(cafile=str(cluster.ca.pair.cert))
+        self.ctx.load_cert_chain(str(cluster.admin_pair.cert), str(cluster.admin_pair.key))
+        self.local = threading.local()
+
+    def _conn(self) -> http.client.HTTPSConnection:
+        conn = getattr(self.local, "conn", None)
+        if conn is None:
+            conn = http.client.HTTPSConnection("127.0.0.1", self.port, context=self.ctx, timeout=30)
+            self.local.conn = conn
+        return conn  # type: ignore[no-any-return]
+
+    def request(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
+        for attempt in (0, 1):
+            conn = self._conn()
+            try:
+                conn.request(method, path, body, {"Content-Type": "application/json"})
+                resp = conn.getresponse()
+                return resp.status, resp.read()
+            except (OSError, http.client.HTTPException):
+                conn.close()
+                self.local.conn = None
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    def create(self, body: bytes) -> float:
+        started = time.perf_counter()
+        status, data = self.request("POST", f"/api/v1/namespaces/{NAMESPACE}/pods", body)
+        if status != 201:
+            raise RuntimeError(f"pod create failed: {status} {data[:300]!r}")
+        return time.perf_counter() - started
+
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """utime+stime of each process, in seconds."""
+    out: dict[str, float] = {}
+    for name, pid in pids.items():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            out[name] = 0.0
+            continue
+        out[name] = (int(fields[11]) + int(fields[12])) / TICK
+    return out
+
+
+def burst(client: Client, body: bytes, count: int, concurrency: int) -> float:
+    """Create `count` pods with `concurrency` workers; returns pods/s."""
+    left = [count]
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        while True:
+            with lock:
+                if left[0] == 0:
+                    return
+                left[0] -= 1
+            try:
+                client.create(body)
+            except BaseException as exc:
+                errors.append(exc)
+                return
+
+    threads = [threading.Thread(target=work) for _ in range(concurrency)]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - started
+    if errors:
+        raise errors[0]
+    return count / elapsed
+
+
+def open_loop(
+    client: Client, body: bytes, rate: float, seconds: float, workers: int = 32
+) -> list[float]:
+    """Create pods on a fixed schedule (`rate`/s for `seconds`) with a pool of keep-alive
+    workers; each latency counts from the request's scheduled time, so a slow answer that
+    delays the next requests is charged to them too (no coordinated omission)."""
+    total = int(rate * seconds)
+    latencies: list[float] = []
+    lock = threading.Lock()
+    next_index = [0]
+    started = time.perf_counter() + 0.1
+
+    def work() -> None:
+        while True:
+            with lock:
+                i = next_index[0]
+                if i >= total:
+                    return
+                next_index[0] += 1
+            due = started + i / rate
+            delay = due - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            client.create(body)
+            done = time.perf_counter()
+            with lock:
+                latencies.append(done - due)
+
+    threads = [threading.Thread(target=work) for _ in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return latencies
+
+
+def clean(client: Client) -> None:
+    client.request("DELETE", f"/api/v1/namespaces/{NAMESPACE}/pods?labelSelector=bench%3D1")
+
+    def gone() -> bool:
+        status, data = client.request(
+            "GET", f"/api/v1/namespaces/{NAMESPACE}/pods?labelSelector=bench%3D1&limit=1"
+        )
+        return status == 200 and not json.loads(data)["items"]
+
+    wait_for("the benchmark pods to be deleted", gone, timeout=300, every=0.5)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def histogram(text: str, name: str, match: Callable[[dict[str, str]], bool]) -> dict[float, float]:
+    """Cumulative bucket counts {le: count} of histogram `name` for series that `match`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[float, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == f"{name}_bucket" and match(sample.labels):
+                le = float(sample.labels["le"])
+                out[le] = out.get(le, 0.0) + sample.value
+    return out
+
+
+def counter(text: str, name: str) -> float:
+    """Sum of every series of counter `name`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    )
+
+
+def bucket_quantile(
+    before: dict[float, float], after: dict[float, float], q: float
+) -> tuple[float, int]:
+    """(q-quantile interpolated in the buckets, observations) of the increase after-before."""
+    les = sorted(after)
+    counts = [after[le] - before.get(le, 0.0) for le in les]
+    total = counts[-1] if counts else 0
+    if not total:
+        return float("nan"), 0
+    rank = q * total
+    prev_le, prev_count = 0.0, 0.0
+    for le, count in zip(les, counts, strict=True):
+        if count >= rank:
+            if le == float("inf"):
+                return prev_le, int(total)
+            span = count - prev_count
+            frac = (rank - prev_count) / span if span else 1.0
+            return prev_le + (le - prev_le) * frac, int(total)
+        prev_le, prev_count = le, count
+    return les[-1], int(total)
+
+
+def fraction_within(before: dict[float, float], after: dict[float, float], le: float) -> float:
+    total = after[float("inf")] - before.get(float("inf"), 0.0)
+    return (after[le] - before.get(le, 0.0)) / total if total else float("nan")
+
+
+Arm = tuple[str, bool]
+
+
+@dataclass
+class Throughput:
+    """Rates and CPU of the four arms of one throughput mode."""
+
+    mode: str
+    pods: int
+    rates: dict[Arm, list[float]] = field(default_factory=dict)
+    cpu: dict[Arm, dict[str, float]] = field(default_factory=dict)
+
+    def overall(self, arm: Arm) -> float:
+        # Total pods / total time over every round of the arm.
+        runs = self.rates[arm]
+        return len(runs) * self.pods / sum(self.pods / x for x in runs)
+
+    def ratio(self, kind: str) -> float:
+        return self.overall((kind, True)) / self.overall((kind, False))
+
+    def per_round(self, kind: str) -> float:
+        pairs = zip(self.rates[(kind, True)], self.rates[(kind, False)], strict=True)
+        return statistics.median(a / b for a, b in pairs)
+
+    def cpu_ms(self, arm: Arm) -> float:
+        return sum(self.cpu[arm].values()) / (self.pods * len(self.rates[arm])) * 1000
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=12, help="rounds per throughput mode")
+    parser.add_argument("--pods", type=int, default=100, help="pods per round and arm")
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--rate", type=float, default=50.0, help="pods/s in the latency phase")
+    parser.add_argument("--latency-seconds", type=float, default=30.0)
+    parser.add_argument(
+        "--modes",
+        default="create,start",
+        help="throughput modes: create (API admission path, pods gated from scheduling), "
+        "start (created, scheduled and Running on kwok nodes); comma list or empty",
+    )
+    args = parser.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+
+    with LocalCluster() as cluster:
+        env = WebhookEnv(cluster, tag="bench")
+        env.install()
+        network = "bench-net"
+        cluster.add_nodes(
+            [FakeNode(f"bench-{i}", capacity={f"metaroce.io/{network}": "1000"}) for i in range(4)]
+        )
+        env.create_network(network, healthy=2)
+        env.wait_cached(network)
+        cluster.kubectl("create", "namespace", NAMESPACE)
+        wait_for(
+            "the bench namespace's ServiceAccount",
+            lambda: (
+                cluster.kubectl("get", "sa", "default", "-n", NAMESPACE, check=False).returncode
+                == 0
+            ),
+        )
+        client = Client(cluster)
+        configs = env.rendered_configurations()
+        installed = [True]
+
+        def set_webhooks(on: bool) -> None:
+            if on == installed[0]:
+                return
+            if on:
+                cluster.kubectl("apply", "-f", "-", input=configs)
+                env.lead_certificates()  # caBundle, as the leader would after the chart
+            else:
+                cluster.kubectl("delete", "-f", "-", input=configs)
+            installed[0] = on
+
+            def effective() -> bool:
+                status, data = client.request(
+                    "POST", f"/api/v1/namespaces/{NAMESPACE}/pods?dryRun=All", pod_body(network)
+                )
+                mutated = status == 201 and c.INJECTED_ANNOTATION.encode() in data
+                return mutated == on
+
+            wait_for(f"webhooks {'on' if on else 'off'}", effective, timeout=30)
+            for _ in range(20):  # warm the apiserver's webhook connections
+                client.request(
+                    "POST", f"/api/v1/namespaces/{NAMESPACE}/pods?dryRun=All", pod_body(network)
+                )
+
+        assert env.replica is not None
+        pids = {comp.name: comp.process.pid for comp in cluster.components}
+        pids["webhook"] = env.replica.process.pid
+        results: list[Throughput] = []
+        for mode in modes:
+            gated = mode == "create"
+            bodies = {
+                ("plain", False): pod_body(None, gated=gated),
+                ("plain", True): pod_body(None, gated=gated),
+                ("annotated", False): pod_body(network, gated=gated),
+                ("annotated", True): pod_body(network, gated=gated),
+            }
+            result = Throughput(mode, args.pods, {a: [] for a in bodies}, {a: {} for a in bodies})
+            results.append(result)
+            print(
+                f"[bench] throughput ({mode}): {args.rounds} rounds x {args.pods} pods per arm, "
+                f"{args.concurrency} concurrent clients",
+                flush=True,
+            )
+
+            def one(arm: Arm, bodies: dict[Arm, bytes] = bodies, gated: bool = gated) -> float:
+                started = time.perf_counter()
+                burst(client, bodies[arm], args.pods, args.concurrency)
+                if not gated:
+                    wait_for(
+                        "the pods to run",
+                        lambda: running(client) >= args.pods,
+                        timeout=600,
+                        every=0.1,
+                    )
+                return args.pods / (time.perf_counter() - started)
+
+            one(("plain", True))  # warm-up
+            clean(client)
+            # Each round runs both kinds with the webhooks on and off (one toggle per
+            # half), alternating which state and which kind go first, so drift in the
+            # machine's load falls on every arm alike.
+            for r in range(args.rounds):
+                line = []
+                states = [True, False] if r % 2 else [False, True]
+                if installed[0] != states[0]:
+                    states.reverse()
+                for hooks in states:
+                    set_webhooks(hooks)
+                    kinds = ["plain", "annotated"] if (r // 2) % 2 else ["annotated", "plain"]
+                    for kind in kinds:
+                        before = cpu_seconds(pids)
+                        rate = one((kind, hooks))
+                        after = cpu_seconds(pids)
+                        clean(client)
+                        result.rates[(kind, hooks)].append(rate)
+                        spent = result.cpu[(kind, hooks)]
+                        for name in pids:
+                            if name != "webhook" or hooks:
+                                spent[name] = spent.get(name, 0.0) + after[name] - before[name]
+                        line.append(f"{kind}/{'hooks' if hooks else 'none'} {rate:6.1f}")
+                print(f"[bench] round {r + 1}: " + ", ".join(line), flush=True)
+
+        # --- latency at a fixed rate -----------------------------------------------------
+        set_webhooks(True)
+        metric = "apiserver_admission_webhook_admission_duration_seconds"
+
+        def ours(labels: dict[str, str]) -> bool:
+            return labels.get("name") == WEBHOOK
+
+        def mutate_endpoint(labels: dict[str, str]) -> bool:
+            return labels.get("endpoint") == "/mutate-pod"
+
+        srv_metric = "metaroce_webhook_request_duration_seconds"
+        print(
+            f"[bench] latency: annotated pods at {args.rate:.0f}/s "
+            f"for {args.latency_seconds:.0f} s",
+            flush=True,
+        )
+        api_before = histogram(cluster.kubectl("get", "--raw", "/metrics").stdout, metric, ours)
+        srv_text = env.metrics_text()
+        srv_before = histogram(srv_text, srv_metric, mutate_endpoint)
+        conns_before = counter(srv_text, "metaroce_webhook_connections_total")
+        annotated = open_loop(client, pod_body(network), args.rate, args.latency_seconds)
+        api_after = histogram(cluster.kubectl("get", "--raw", "/metrics").stdout, metric, ours)
+        srv_text = env.metrics_text()
+        srv_after = histogram(srv_text, srv_metric, mutate_endpoint)
+        new_connections = counter(srv_text, "metaroce_webhook_connections_total") - conns_before
+        clean(client)
+        plain = open_loop(client, pod_body(None), args.rate, args.latency_seconds)
+        clean(client)
+        env.teardown()
+
+    api_p99, api_n = bucket_quantile(api_before, api_after, 0.99)
+    srv_p99, srv_n = bucket_quantile(srv_before, srv_after, 0.99)
+    within5 = fraction_within(api_before, api_after, 0.005)
+    within25 = fraction_within(api_before, api_after, 0.025)
+    srv_within10 = fraction_within(srv_before, srv_after, 0.01)
+
+    def mark(ok: bool) -> str:
+        return "OK  " if ok else "MISS"
+
+    print()
+    for result in results:
+        what = {
+            "create": "pod create API calls, pods gated from scheduling (admission path alone)",
+            "start": "pods created, scheduled and Running on kwok nodes",
+        }[result.mode]
+        print(f"=== throughput ({result.mode}): {what} ===")
+        for kind in ("plain", "annotated"):
+            print(
+                f"  {kind:9s} pods/s without webhooks {result.overall((kind, False)):7.1f}, "
+                f"with {result.overall((kind, True)):7.1f};  control-plane CPU per pod "
+                f"{result.cpu_ms((kind, False)):.2f} ms -> {result.cpu_ms((kind, True)):.2f} ms"
+            )
+        for kind, target in (("plain", 0.98), ("annotated", 0.9)):
+            ratio = result.ratio(kind)
+            cpu_ratio = result.cpu_ms((kind, False)) / result.cpu_ms((kind, True))
+            print(
+                f"  {mark(ratio >= target)} {kind:9s} ratio {ratio:.3f} (target >= {target}; "
+                f"per-round median {result.per_round(kind):.3f}; CPU-cost ratio {cpu_ratio:.3f})"
+            )
+        split = result.cpu[("annotated", True)]
+        n = result.pods * len(result.rates[("annotated", True)])
+        print(
+            "  annotated with webhooks, CPU per pod by process (ms): "
+            + ", ".join(f"{k} {v / n * 1000:.2f}" for k, v in sorted(split.items()) if v)
+        )
+    print(f"=== admission latency, annotated pods at {args.rate:.0f} pods/s ===")
+    print(
+        f"  {mark(api_p99 <= 0.010)} webhook call p99 as the apiserver times it: "
+        f"{api_p99 * 1000:.2f} ms over {api_n} calls (interpolated; {within5:.1%} <= 5 ms, "
+        f"{within25:.1%} <= 25 ms) (target <= 10 ms)"
+    )
+    print(
+        f"       webhook server p99 (its own handling): {srv_p99 * 1000:.2f} ms over {srv_n} "
+        f"requests ({srv_within10:.1%} <= 10 ms); {new_connections:.0f} new TLS connections "
+        "from the apiserver"
+    )
+    print(
+        f"       pod create as the client sees it: p50 {percentile(annotated, 0.5) * 1000:.1f} ms, "
+        f"p99 {percentile(annotated, 0.99) * 1000:.1f} ms annotated; p50 "
+        f"{percentile(plain, 0.5) * 1000:.1f} ms, p99 {percentile(plain, 0.99) * 1000:.1f} ms "
+        "unannotated (same rate, webhooks installed)"
+    )
+    load = os.getloadavg()
+    print(f"  (host load average at the end: {load[0]:.1f} on {os.cpu_count()} CPUs)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,243 @@
+"""NIC conflicts between networks: two networks must not configure the same NIC.
+
+The admission webhook checks this when a network is written, but two writes can race, and
+nodes get relabelled later; so the leader re-checks from what is there now:
+
+- static: the two NIC selectors can match the same NIC (every attribute both of them
+  constrain has an overlapping pair: globs that can match one name, equal PCI ids, equal
+  drivers) on a node both node selectors match;
+- observed: both networks' agents report the same netdev on the same node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from functools import cache
+
+from metaroce_api import LabelSelector, MetaRoceNetwork, NicSelector
+
+# --- glob intersection -------------------------------------------------------------------
+
+_Token = tuple[str, frozenset[str], bool]
+"""(kind, chars, negated): kind is 'lit', 'any' (?), 'star' (*) or 'set' ([...])."""
+
+
+def _bracket(glob: str, i: int) -> tuple[_Token, int] | None:
+    """The `[...]` set starting at `i` and the index of its `]`, or None if unclosed."""
+    j = i + 1
+    negated = glob[j : j + 1] == "!"
+    if negated:
+        j += 1
+    end = glob.find("]", j + 1 if glob[j : j + 1] == "]" else j)
+    if end == -1:
+        return None
+    body = glob[j:end]
+    chars: set[str] = set()
+    k = 0
+    while k < len(body):
+        if k + 2 < len(body) and body[k + 1] == "-":
+            chars.update(chr(x) for x in range(ord(body[k]), ord(body[k + 2]) + 1))
+            k += 3
+        else:
+            chars.add(body[k])
+            k += 1
+    return ("set", frozenset(chars), negated), end
+
+
+def _tokens(glob: str) -> tuple[_Token, ...]:
+    out: list[_Token] = []
+    i = 0
+    while i < len(glob):
+        ch = glob[i]
+        bracket = _bracket(glob, i) if ch == "[" else None
+        if ch == "*":
+            out.append(("star", frozenset(), False))
+        elif ch == "?":
+            out.append(("any", frozenset(), False))
+        elif bracket is not None:
+            out.append(bracket[0])
+            i = bracket[1]
+        else:
+            out.append(("lit", frozenset(ch), False))
+        i += 1
+    return tuple(out)
+
+
+def _chars_meet(a: _Token, b: _Token) -> bool:
+    """Whether one character can match both single-character tokens."""
+    if a[0] == "any" or b[0] == "any":
+        return True
+    (_, sa, na), (_, sb, nb) = a, b
+    if not na and not nb:
+        return bool(sa & sb)
+    if na and nb:
+        return True  # the alphabet is larger than any two exclusion sets
+    pos, neg = (sa, sb) if not na else (sb, sa)
+    return bool(pos - neg)
+
+
+@cache
+def globs_intersect(a: str, b: str) -> bool:
+    """Whether some name matches both fnmatch-style globs (`*`, `?`, `[...]`, `[!...]`)."""
+    ta, tb = _tokens(a), _tokens(b)
+    seen: set[tuple[int, int]] = set()
+    stack = [(0, 0)]
+    while stack:
+        i, j = stack.pop()
+        if (i, j) in seen:
+            continue
+        seen.add((i, j))
+        if i == len(ta) and j == len(tb):
+            return True
+        # A star may match the empty string.
+        if i < len(ta) and ta[i][0] == "star":
+            stack.append((i + 1, j))
+        if j < len(tb) and tb[j][0] == "star":
+            stack.append((i, j + 1))
+        if i < len(ta) and j < len(tb):
+            sa, sb = ta[i][0] == "star", tb[j][0] == "star"
+            if sa and sb:
+                stack.append((i, j + 1))
+                stack.append((i + 1, j))
+            elif sa:
+                stack.append((i, j + 1))  # the star eats one character of b's token
+            elif sb:
+                stack.append((i + 1, j))
+            elif _chars_meet(ta[i], tb[j]):
+                stack.append((i + 1, j + 1))
+    return False
+
+
+# --- NIC selector overlap --------------------------------------------------------------
+
+
+def _norm_id(value: str) -> str:
+    return value.lower().removeprefix("0x")
+
+
+def nic_overlap(a: NicSelector, b: NicSelector) -> str | None:
+    """How the two selectors can pick the same NIC, or None when they cannot."""
+    reasons: list[str] = []
+    glob_fields = (("interfaceNames", "interface_names"), ("rdmaDevices", "rdma_devices"))
+    for label, attr in glob_fields:
+        ga, gb = getattr(a, attr), getattr(b, attr)
+        if ga is None or gb is None:
+            continue
+        pair = next(((x, y) for x in ga for y in gb if globs_intersect(x, y)), None)
+        if pair is None:
+            return None
+        reasons.append(f"{label} {pair[0]!r} and {pair[1]!r} can match the same NIC")
+    exact_fields = (
+        ("pciVendorIds", "pci_vendor_ids", _norm_id),
+        ("pciDeviceIds", "pci_device_ids", _norm_id),
+        ("drivers", "drivers", str),
+    )
+    for label, attr, norm in exact_fields:
+        va, vb = getattr(a, attr), getattr(b, attr)
+        if va is None or vb is None:
+            continue
+        common = sorted({norm(x) for x in va} & {norm(y) for y in vb})
+        if not common:
+            return None
+        reasons.append(f"both select {label} {', '.join(common)}")
+    return "; ".join(reasons) or "the selectors constrain different attributes"
+
+
+# --- label selectors ---------------------------------------------------------------------
+
+
+def selector_matches(selector: LabelSelector, labels: Mapping[str, str]) -> bool:
+    """metav1.LabelSelector semantics (empty selects everything)."""
+    for key, value in (selector.match_labels or {}).items():
+        if labels.get(key) != value:
+            return False
+    for expr in selector.match_expressions or []:
+        present = expr.key in labels
+        values = set(expr.values or [])
+        if expr.operator == "In" and not (present and labels[expr.key] in values):
+            return False
+        if expr.operator == "NotIn" and present and labels[expr.key] in values:
+            return False
+        if expr.operator == "Exists" and not present:
+            return False
+        if expr.operator == "DoesNotExist" and present:
+            return False
+    return True
+
+
+# --- conflicts -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Conflict:
+    network: str
+    other: str
+    nodes: tuple[str, ...]
+    detail: str
+    observed: bool
+
+    def message(self) -> str:
+        shown = ", ".join(self.nodes[:5]) + (" ..." if len(self.nodes) > 5 else "")
+        if self.observed:
+            what = f"network {self.other!r} also configures NICs of this network"
+        else:
+            what = f"network {self.other!r} can select the same NICs"
+        return (
+            f"{what} on {len(self.nodes)} node(s) ({shown}): {self.detail}. Make spec.nics "
+            "or spec.nodeSelector of the two networks disjoint (or delete one network)"
+        )
+
+
+def find_conflicts(
+    networks: Iterable[MetaRoceNetwork],
+    node_labels: Mapping[str, Mapping[str, str]],
+    netdevs: Mapping[str, Mapping[str, Iterable[str]]],
+) -> dict[str, list[Conflict]]:
+    """Conflicts of each network (both sides of a pair report it).
+
+    `node_labels`: node -> labels; `netdevs`: network -> node -> netdevs its agent reports.
+    """
+    nets = sorted(networks, key=lambda n: n.name)
+    members = {
+        n.name: {
+            node
+            for node, labels in node_labels.items()
+            if selector_matches(n.spec.node_selector, labels)
+        }
+        for n in nets
+    }
+    out: dict[str, list[Conflict]] = {n.name: [] for n in nets}
+    for i, a in enumerate(nets):
+        for b in nets[i + 1 :]:
+            conflict = _pair(a, b, members, netdevs)
+            if conflict is None:
+                continue
+            nodes, detail, observed = conflict
+            out[a.name].append(Conflict(a.name, b.name, nodes, detail, observed))
+            out[b.name].append(Conflict(b.name, a.name, nodes, detail, observed))
+    return out
+
+
+def _pair(
+    a: MetaRoceNetwork,
+    b: MetaRoceNetwork,
+    members: Mapping[str, set[str]],
+    netdevs: Mapping[str, Mapping[str, Iterable[str]]],
+) -> tuple[tuple[str, ...], str, bool] | None:
+    da, db = netdevs.get(a.name, {}), netdevs.get(b.name, {})
+    shared: dict[str, list[str]] = {}
+    for node in sorted(set(da) & set(db)):
+        common = sorted(set(da[node]) & set(db[node]))
+        if common:
+            shared[node] = common
+    if shared:
+        first = next(iter(shared))
+        return tuple(shared), f"e.g. {', '.join(shared[first])} on {first}", True
+    overlap = nic_overlap(a.spec.nics, b.spec.nics)
+    if overlap is None:
+        return None
+    nodes = tuple(sorted(members.get(a.name, set()) & members.get(b.name, set())))
+    if not nodes:
+        return None
+    return nodes, overlap, False

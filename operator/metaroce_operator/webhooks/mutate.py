@@ -1,0 +1,475 @@
+"""Pod mutation (pure): what a pod annotated `metaroce.io/networks: a[,b...]` gets.
+
+`mutate_pod(pod, networks, namespace)` returns `Allowed(patch, injected, warnings)` or
+`Denied(message)`. The server only decodes the AdmissionReview and encodes the answer.
+
+For each network named in the annotation (comma list, trimmed, deduplicated, order kept):
+- the network must exist and have at least one healthy node (`status.nodes.healthy`);
+  a network that is only partly ready is fine (jobs can start on the ready nodes);
+- the container NCCL runs in (the first container, or the one named by the annotation
+  `metaroce.io/container`) gets `requests` and `limits` of the network's resource = 1,
+  unless some container already asks for that resource (then the pod's own numbers
+  stand; a request without a limit gets the limit the apiserver requires, equal to it);
+- that container gets the capability `IPC_LOCK` (RDMA pins memory), unless the user
+  explicitly drops it; a namespace whose Pod Security level (`enforce` label) is
+  `baseline` or `restricted` forbids IPC_LOCK, so such a pod is refused with that reason;
+- the network-wide NCCL variables listed in `spec.attachment.ncclEnv`:
+  `NCCL_IB_TC` = the data DSCP as the whole ToS byte (dscp << 2),
+  `NCCL_IB_QPS_PER_CONNECTION`, `NCCL_IB_TIMEOUT`, `NCCL_IB_RETRY_CNT` from
+  `spec.transport`, `NCCL_SOCKET_IFNAME` = `spec.attachment.socketInterface` (if set),
+  `NCCL_IB_GID_INDEX` when `spec.transport.roce.gidIndex` pins one. A variable the
+  container already sets in `env` is never touched. `NCCL_IB_HCA` (and a GID index that
+  is not pinned) depend on which NICs the container gets: the device plugin sets them.
+  With several networks, the first one listed gives a variable's value (a warning says
+  so when the others differ);
+- the annotation `metaroce.io/injected` records what was injected (JSON).
+
+Idempotent: mutating an already mutated pod changes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from metaroce_api import MetaRoceNetwork
+from metaroce_api.base import DNS_LABEL_RE
+from metaroce_api.constants import GROUP, INJECTED_ANNOTATION, NETWORKS_ANNOTATION
+
+CONTAINER_ANNOTATION = f"{GROUP}/container"
+"""On a Pod: which container NCCL runs in (default: the first). TODO(api): move to
+metaroce_api.constants."""
+
+IPC_LOCK = "IPC_LOCK"
+PSS_ENFORCE = "pod-security.kubernetes.io/enforce"
+PSS_WARN = "pod-security.kubernetes.io/warn"
+PSS_AUDIT = "pod-security.kubernetes.io/audit"
+PSS_FORBIDS_IPC_LOCK = ("baseline", "restricted")
+"""Pod Security Standards: baseline (and so restricted) allow only a fixed list of added
+capabilities (AUDIT_WRITE, CHOWN, ... SYS_CHROOT); IPC_LOCK is not on it."""
+
+NETWORK_ENV = (
+    "NCCL_IB_TC",
+    "NCCL_IB_QPS_PER_CONNECTION",
+    "NCCL_IB_TIMEOUT",
+    "NCCL_IB_RETRY_CNT",
+    "NCCL_SOCKET_IFNAME",
+    "NCCL_IB_GID_INDEX",
+)
+DEVICE_PLUGIN_ENV = ("NCCL_IB_HCA", "NCCL_IB_GID_INDEX")
+
+_NAME = re.compile(DNS_LABEL_RE)
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """What the webhook knows about the pod's namespace (labels may be unknown)."""
+
+    name: str
+    labels: Mapping[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class NetworkView:
+    """A network as the webhook's cache holds it: the parsed model, or why it is unreadable."""
+
+    name: str
+    network: MetaRoceNetwork | None
+    problem: str = ""
+
+    @property
+    def healthy_nodes(self) -> int:
+        status = self.network.status if self.network else None
+        return status.nodes.healthy if status and status.nodes else 0
+
+    @property
+    def desired_nodes(self) -> int:
+        status = self.network.status if self.network else None
+        return status.nodes.desired if status and status.nodes else 0
+
+
+@dataclass(frozen=True)
+class Allowed:
+    patch: list[dict[str, Any]] = field(default_factory=list)
+    injected: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Denied:
+    message: str
+    code: int = 403
+    reason: str = "Forbidden"
+
+
+Decision = Allowed | Denied
+
+
+# --- JSON patch that creates missing parents -------------------------------------------------
+
+
+def _escape(key: str | int) -> str:
+    return str(key).replace("~", "~0").replace("/", "~1")
+
+
+def _child(node: Any, key: str | int) -> Any:
+    if isinstance(node, list):
+        return node[int(key)]
+    return node.get(key) if isinstance(node, dict) else None
+
+
+def _clone(value: Any) -> Any:
+    """A copy of plain JSON data (much cheaper than copy.deepcopy)."""
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clone(v) for v in value]
+    return value
+
+
+class _Patch:
+    """Collects JSONPatch `add` ops against a working view of the pod, so later ops see
+    earlier ones. The pod is never modified: nodes on a modified path are copied (shallow,
+    once), the rest is shared."""
+
+    def __init__(self, doc: Mapping[str, Any]) -> None:
+        self.doc: dict[str, Any] = dict(doc)
+        self._owned = {id(self.doc)}
+        self.ops: list[dict[str, Any]] = []
+
+    def _own(self, parent: Any, key: str | int) -> Any:
+        """parent[key], copied first unless this patch made it."""
+        index: Any = int(key) if isinstance(parent, list) else key
+        child = parent[index]
+        if id(child) in self._owned or not isinstance(child, dict | list):
+            return child
+        mine = dict(child) if isinstance(child, dict) else list(child)
+        parent[index] = mine
+        self._owned.add(id(mine))
+        return mine
+
+    def _add(self, path: Sequence[str | int], value: Any) -> None:
+        self.ops.append(
+            {"op": "add", "path": "/" + "/".join(_escape(p) for p in path), "value": _clone(value)}
+        )
+        node: Any = self.doc
+        for key in path[:-1]:
+            node = self._own(node, key)
+        last = path[-1]
+        fresh = _clone(value)
+        if isinstance(fresh, dict | list):
+            self._owned.add(id(fresh))
+        if last == "-":
+            node.append(fresh)
+        else:
+            node[last] = fresh
+
+    def set(self, path: Sequence[str | int], value: Any) -> None:
+        """Set `path` to `value`, creating missing (or null) parent objects on the way."""
+        node: Any = self.doc
+        for depth, key in enumerate(path[:-1]):
+            child = _child(node, key)
+            if child is None:
+                nested = value
+                for k in reversed(path[depth + 1 :]):
+                    nested = {k: nested}
+                self._add(path[: depth + 1], nested)
+                return
+            node = child
+        self._add(path, value)
+
+    def merge(self, path: Sequence[str | int], value: Mapping[str, Any]) -> None:
+        """Add the keys of `value` under the object at `path` (recursively), with as few ops
+        as possible: a missing object is added whole."""
+        node: Any = self.doc
+        for key in path:
+            node = _child(node, key)
+            if node is None:
+                self.set(path, dict(value))
+                return
+        for key, item in value.items():
+            if isinstance(item, Mapping) and isinstance(node.get(key), dict):
+                self.merge([*path, key], item)
+            elif key not in node or node.get(key) is None:
+                self._add([*path, key], item)
+
+    def extend(self, path: Sequence[str | int], items: Sequence[Any]) -> None:
+        """Append `items` to the list at `path` (one op creates it when missing)."""
+        if not items:
+            return
+        node: Any = self.doc
+        for key in path:
+            node = _child(node, key)
+            if node is None:
+                self.set(path, list(items))
+                return
+        for item in items:
+            self._add([*path, "-"], item)
+
+    def append(self, path: Sequence[str | int], item: Any) -> None:
+        """Append to the list at `path`, creating it when missing."""
+        node: Any = self.doc
+        for key in path:
+            node = _child(node, key)
+            if node is None:
+                break
+        if node is None:
+            self.set(path, [item])
+        else:
+            self._add([*path, "-"], item)
+
+
+# --- helpers ----------------------------------------------------------------------------------
+
+
+def parse_networks_annotation(value: str) -> tuple[list[str], str | None]:
+    """(names, error): the comma list trimmed and deduplicated, or what is wrong with it."""
+    names = list(dict.fromkeys(part.strip() for part in value.split(",") if part.strip()))
+    if not names:
+        return [], (
+            f"annotation {NETWORKS_ANNOTATION} is {value!r} and names no network: write "
+            f"{NETWORKS_ANNOTATION}: <network>[,<network>...], or remove the annotation"
+        )
+    bad = [n for n in names if len(n) > 63 or not _NAME.match(n)]
+    if bad:
+        return [], (
+            f"annotation {NETWORKS_ANNOTATION}: {', '.join(repr(b) for b in bad)} is not a "
+            "network name (lowercase letters, digits and '-', at most 63): write the names "
+            f"of MetaRoceNetworks separated by commas, e.g. {NETWORKS_ANNOTATION}: backend"
+        )
+    return names, None
+
+
+def _existing(networks: Mapping[str, NetworkView]) -> str:
+    if not networks:
+        return "no MetaRoceNetwork exists yet: create one first (kubectl get metarocenetworks)"
+    ready = sorted(n for n, v in networks.items() if v.healthy_nodes > 0)
+    others = sorted(n for n in networks if n not in ready)
+    text = "existing networks: " + (", ".join(ready) + " (ready)" if ready else "")
+    if others:
+        text += ("; " if ready else "") + ", ".join(others) + " (no ready node)"
+    return text
+
+
+def _pod_label(pod: Mapping[str, Any], namespace: str) -> str:
+    meta = pod.get("metadata") or {}
+    name = meta.get("name") or (meta.get("generateName", "") + "*")
+    return f"pod {namespace}/{name}"
+
+
+def network_env(net: MetaRoceNetwork) -> dict[str, str]:
+    """The network-wide NCCL variables of `net`, limited to its `ncclEnv`."""
+    spec = net.spec
+    wanted = set(spec.attachment.nccl_env)
+    values: dict[str, str | None] = {
+        "NCCL_IB_TC": str(spec.qos.data.dscp << 2),
+        "NCCL_IB_QPS_PER_CONNECTION": str(spec.transport.qps_per_connection),
+        "NCCL_IB_TIMEOUT": str(spec.transport.ack_timeout),
+        "NCCL_IB_RETRY_CNT": str(spec.transport.retry_count),
+        "NCCL_SOCKET_IFNAME": spec.attachment.socket_interface,
+        "NCCL_IB_GID_INDEX": (
+            str(spec.transport.roce.gid_index)
+            if spec.transport.roce.gid_index is not None
+            else None
+        ),
+    }
+    return {k: v for k in NETWORK_ENV if k in wanted and (v := values[k]) is not None}
+
+
+def _pss_level(labels: Mapping[str, str] | None, key: str) -> str | None:
+    if not labels:
+        return None
+    level = labels.get(key)
+    return level if level in PSS_FORBIDS_IPC_LOCK else None
+
+
+def _has_resource(container: Mapping[str, Any], resource: str) -> bool:
+    res = container.get("resources") or {}
+    return resource in (res.get("requests") or {}) or resource in (res.get("limits") or {})
+
+
+# --- the mutation ---------------------------------------------------------------------------------
+
+
+def mutate_pod(
+    pod: Mapping[str, Any],
+    networks: Mapping[str, NetworkView],
+    namespace: Namespace,
+    *,
+    check_pod_security: bool = True,
+    default_pod_security: str = "privileged",
+) -> Decision:
+    """Decide on one pod CREATE; see the module docstring.
+
+    `default_pod_security`: the cluster's PodSecurity default `enforce` level (from its
+    AdmissionConfiguration), used for namespaces without the label."""
+    meta = pod.get("metadata") or {}
+    annotations: Mapping[str, str] = meta.get("annotations") or {}
+    raw = annotations.get(NETWORKS_ANNOTATION)
+    if raw is None:
+        return Allowed()
+    who = _pod_label(pod, namespace.name)
+    names, error = parse_networks_annotation(raw)
+    if error:
+        return Denied(f"{who}: {error}")
+
+    views: list[NetworkView] = []
+    for name in names:
+        view = networks.get(name)
+        if view is None:
+            return Denied(
+                f"{who}: network {name!r} (annotation {NETWORKS_ANNOTATION}) does not exist; "
+                f"{_existing(networks)}"
+            )
+        if view.network is None:
+            return Denied(
+                f"{who}: network {name!r} cannot be read by this operator: {view.problem}; "
+                "fix the MetaRoceNetwork or upgrade the operator"
+            )
+        if view.healthy_nodes == 0:
+            desired = view.desired_nodes
+            return Denied(
+                f"{who}: network {name!r} has no ready node yet (0 of {desired} node(s) "
+                f"configured and healthy): wait until `kubectl get metarocenetwork {name}` "
+                "shows nodes, or read its status.failingNodes; "
+                f"{_existing(networks)}"
+            )
+        views.append(view)
+
+    spec = pod.get("spec") or {}
+    containers: list[Mapping[str, Any]] = spec.get("containers") or []
+    if not containers:
+        return Denied(f"{who}: the pod has no containers to attach network(s) to")
+    wanted_container = annotations.get(CONTAINER_ANNOTATION)
+    if wanted_container is not None:
+        names_in_pod = [c.get("name") for c in containers]
+        if wanted_container not in names_in_pod:
+            return Denied(
+                f"{who}: annotation {CONTAINER_ANNOTATION} names container "
+                f"{wanted_container!r}, which the pod does not have; its containers are "
+                f"{', '.join(repr(n) for n in names_in_pod)}: name one of them, or remove the "
+                "annotation to use the first"
+            )
+        index = names_in_pod.index(wanted_container)
+    else:
+        index = 0
+    container = containers[index]
+    cname = container.get("name", f"#{index}")
+
+    warnings: list[str] = []
+    labels = namespace.labels
+    if labels is not None and PSS_ENFORCE not in labels:
+        labels = {**labels, PSS_ENFORCE: default_pod_security}
+    enforce = _pss_level(labels, PSS_ENFORCE)
+    if check_pod_security and enforce:
+        where = (
+            f"label {PSS_ENFORCE}={enforce}"
+            if namespace.labels and PSS_ENFORCE in namespace.labels
+            else "the cluster's default level; the namespace has no label"
+        )
+        return Denied(
+            f"{who}: namespace {namespace.name!r} enforces the Pod Security level "
+            f"{enforce!r} ({where}), which forbids the capability "
+            f"{IPC_LOCK} that RDMA needs to pin memory, so the pod would be refused anyway: "
+            f"run it in a namespace labelled {PSS_ENFORCE}=privileged, or have the cluster "
+            "admin exempt this namespace"
+        )
+    for key in (PSS_WARN, PSS_AUDIT):
+        level = _pss_level(namespace.labels, key)
+        if level:
+            warnings.append(
+                f"namespace {namespace.name!r} has {key}={level}: {IPC_LOCK}, which metaroce "
+                "adds for RDMA, violates that level"
+            )
+
+    patch = _Patch(pod)
+    cpath: list[str | int] = ["spec", "containers", index]
+    injected: dict[str, Any] = {"networks": names, "container": cname}
+
+    # Resources: one unit (= one NIC) of each network, unless the pod asks already.
+    resources: dict[str, str] = {}
+    wanted: dict[str, str] = {}
+    for view in views:
+        assert view.network is not None
+        resource = view.network.resource_name
+        owners = [c for c in containers if _has_resource(c, resource)]
+        for owner in owners:
+            res = owner.get("resources") or {}
+            requests = res.get("requests") or {}
+            limits = res.get("limits") or {}
+            if resource in requests and resource not in limits:
+                oi = containers.index(owner)
+                patch.set(
+                    ["spec", "containers", oi, "resources", "limits", resource], requests[resource]
+                )
+                resources[resource] = str(requests[resource])
+        if owners:
+            continue
+        wanted[resource] = "1"
+        resources[resource] = "1"
+    if wanted:
+        patch.merge([*cpath, "resources"], {"requests": dict(wanted), "limits": dict(wanted)})
+    if resources:
+        injected["resources"] = resources
+
+    # IPC_LOCK, unless explicitly dropped.
+    caps = (container.get("securityContext") or {}).get("capabilities") or {}
+    added = caps.get("add") or []
+    dropped = caps.get("drop") or []
+    if IPC_LOCK in dropped:
+        warnings.append(
+            f"container {cname!r} drops {IPC_LOCK}: left as written, but RDMA memory "
+            "registration will fail unless the memlock limit is raised some other way"
+        )
+    elif IPC_LOCK not in added:
+        patch.append([*cpath, "securityContext", "capabilities", "add"], IPC_LOCK)
+        injected["capabilities"] = [IPC_LOCK]
+
+    # Network-wide NCCL variables: the first network listed wins; never the user's.
+    user_env = {e.get("name") for e in container.get("env") or [] if isinstance(e, Mapping)}
+    env: dict[str, str] = {}
+    origin: dict[str, str] = {}
+    for view in views:
+        assert view.network is not None
+        for key, value in network_env(view.network).items():
+            if key not in env:
+                env[key], origin[key] = value, view.name
+            elif env[key] != value:
+                warnings.append(
+                    f"{key}: networks {origin[key]!r} and {view.name!r} want different values "
+                    f"({env[key]} and {value}); {origin[key]!r} (listed first) wins"
+                )
+    kept = sorted(k for k in env if k in user_env)
+    added_env = {k: v for k, v in env.items() if k not in user_env}
+    patch.extend([*cpath, "env"], [{"name": k, "value": v} for k, v in added_env.items()])
+    if added_env:
+        injected["env"] = added_env
+    if kept:
+        injected["keptUserEnv"] = kept
+    if container.get("envFrom") and added_env:
+        warnings.append(
+            f"container {cname!r} uses envFrom: the NCCL variables metaroce sets in env "
+            f"({', '.join(sorted(added_env))}) take precedence over it; set them in env to "
+            "choose other values"
+        )
+    plugin_env = sorted(
+        {k for v in views if v.network for k in v.network.spec.attachment.nccl_env}
+        & set(DEVICE_PLUGIN_ENV) - set(env)
+    )
+    if plugin_env:
+        injected["devicePluginEnv"] = plugin_env
+    if len(views) > 1 and "NCCL_IB_HCA" in plugin_env:
+        warnings.append(
+            f"the pod asks for {len(views)} networks: each network's device plugin sets "
+            "NCCL_IB_HCA to its own NICs, and only one value reaches the container; set "
+            "NCCL_IB_HCA in env (e.g. from the devices in the pod's resources) to use all"
+        )
+
+    if not patch.ops:
+        return Allowed(warnings=warnings)  # already mutated (or nothing to add): idempotent
+    summary = json.dumps(injected, sort_keys=True, separators=(",", ":"))
+    patch.set(["metadata", "annotations", INJECTED_ANNOTATION], summary)
+    return Allowed(patch=patch.ops, injected=injected, warnings=warnings)

@@ -1,0 +1,665 @@
+"""The HTTPS server of the admission webhooks (stdlib: socketserver threads + ssl).
+
+Endpoints: `POST /mutate-pod`, `POST /validate-network` (AdmissionReview v1 in and out),
+`GET /healthz` (200 once the network cache is loaded, else 503).
+
+- TLS from `tls.crt`/`tls.key` in a directory (a mounted Secret, or one `SecretWatch`
+  keeps in step); the files are checked every `reload_interval` seconds and a changed
+  pair is loaded into a *new* SSLContext that new connections use (a half-written pair
+  fails to load and is retried: the old certificate keeps serving meanwhile);
+- keep-alive HTTP/1.1, TCP_NODELAY, one write per answer: the apiserver reuses its
+  connections and the answer leaves in one TLS record;
+- every replica serves from its own `NetworkWatch`; a request that arrives before the
+  first list completes waits up to `sync_timeout` and is then refused (fail closed) with a
+  message saying why.
+
+`serve_main(argv)` runs it standalone (`python -m metaroce_operator.webhooks`); the
+operator can embed `WebhookApp` instead (see `WebhookApp.start`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import gc
+import json
+import logging
+import os
+import signal
+import socket
+import socketserver
+import ssl
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from metaroce_operator.webhooks import certs, metrics
+from metaroce_operator.webhooks.mutate import Allowed, Denied, Namespace, NetworkView, mutate_pod
+from metaroce_operator.webhooks.validate import validate_network_change
+
+log = logging.getLogger("metaroce.webhooks")
+
+MUTATE_PATH = "/mutate-pod"
+VALIDATE_PATH = "/validate-network"
+HEALTH_PATHS = ("/healthz", "/readyz")
+
+
+# --- admission logic over the caches ----------------------------------------------------------
+
+
+class AdmissionHandler:
+    """AdmissionReview dict in, AdmissionReview dict out; no I/O beyond the caches."""
+
+    def __init__(
+        self,
+        networks: Callable[[], Mapping[str, NetworkView]],
+        synced: threading.Event,
+        namespace_labels: Callable[[str], Mapping[str, str] | None],
+        node_labels: Callable[[], Mapping[str, Mapping[str, str]] | None] = lambda: None,
+        *,
+        check_pod_security: bool = True,
+        default_pod_security: str = "privileged",
+        sync_timeout: float = 2.0,
+    ) -> None:
+        self.networks = networks
+        self.synced = synced
+        self.namespace_labels = namespace_labels
+        self.node_labels = node_labels
+        self.check_pod_security = check_pod_security
+        self.default_pod_security = default_pod_security
+        self.sync_timeout = sync_timeout
+
+    def _not_synced(self) -> Denied | None:
+        if self.synced.is_set() or self.synced.wait(self.sync_timeout):
+            return None
+        return Denied(
+            "the metaroce webhook has not loaded the MetaRoceNetworks yet (the operator is "
+            "starting, or cannot reach the API server): retry in a few seconds; if this "
+            "persists, read the operator's log",
+            code=503,
+            reason="ServiceUnavailable",
+        )
+
+    def mutate(self, request: Mapping[str, Any]) -> Allowed | Denied:
+        if request.get("operation") != "CREATE":
+            return Allowed()
+        pod = request.get("object") or {}
+        namespace = request.get("namespace") or (pod.get("metadata") or {}).get("namespace", "")
+        waiting = self._not_synced()
+        if waiting:
+            return waiting
+        return mutate_pod(
+            pod,
+            self.networks(),
+            Namespace(namespace, self.namespace_labels(namespace)),
+            check_pod_security=self.check_pod_security,
+            default_pod_security=self.default_pod_security,
+        )
+
+    def validate(self, request: Mapping[str, Any]) -> Allowed | Denied:
+        if request.get("operation") not in ("CREATE", "UPDATE"):
+            return Allowed()
+        obj = request.get("object") or {}
+        old = request.get("oldObject") or None
+        if old is not None and old.get("spec") == obj.get("spec"):
+            return Allowed()  # matchConditions skip these already; belt and braces
+        waiting = self._not_synced()
+        if waiting:
+            return waiting
+        others = [v.network for v in self.networks().values() if v.network is not None]
+        verdict = validate_network_change(obj, others, self.node_labels())
+        name = (obj.get("metadata") or {}).get("name", "")
+        if not verdict.allowed:
+            return Denied(verdict.message(name), code=422, reason="Invalid")
+        return Allowed(warnings=verdict.warnings)
+
+    def review(self, endpoint: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        request = body.get("request") or {}
+        uid = request.get("uid", "")
+        try:
+            handle = self.mutate if endpoint == MUTATE_PATH else self.validate
+            decision = handle(request)
+            outcome = "allowed" if isinstance(decision, Allowed) else "denied"
+        except Exception as exc:
+            log.exception("webhook %s failed", endpoint)
+            decision = Denied(
+                f"internal error in the metaroce webhook ({type(exc).__name__}: {exc}); "
+                "read the operator's log",
+                code=500,
+                reason="InternalError",
+            )
+            outcome = "error"
+        metrics.DECISIONS.labels(endpoint=endpoint, decision=outcome).inc()
+        return {
+            "apiVersion": body.get("apiVersion", "admission.k8s.io/v1"),
+            "kind": "AdmissionReview",
+            "response": response_for(uid, decision),
+        }
+
+
+def response_for(uid: str, decision: Allowed | Denied) -> dict[str, Any]:
+    if isinstance(decision, Denied):
+        return {
+            "uid": uid,
+            "allowed": False,
+            "status": {
+                "code": decision.code,
+                "reason": decision.reason,
+                "message": decision.message,
+            },
+        }
+    out: dict[str, Any] = {"uid": uid, "allowed": True}
+    if decision.patch:
+        out["patchType"] = "JSONPatch"
+        out["patch"] = base64.b64encode(
+            json.dumps(decision.patch, separators=(",", ":")).encode()
+        ).decode()
+    if decision.warnings:
+        out["warnings"] = list(decision.warnings)
+    return out
+
+
+# --- TLS with reload ------------------------------------------------------------------------------
+
+
+class TlsFiles:
+    """A server SSLContext from `cert`/`key` files, rebuilt when the files change."""
+
+    def __init__(self, cert: Path, key: Path) -> None:
+        self.cert, self.key = cert, key
+        self._signature: tuple[Any, ...] | None = None
+        self.context: ssl.SSLContext | None = None
+        self.loaded_at = 0.0
+        self.reload()
+
+    def _stat(self) -> tuple[Any, ...] | None:
+        try:
+            a, b = os.stat(self.cert), os.stat(self.key)
+        except OSError:
+            return None
+        return (a.st_ino, a.st_mtime_ns, a.st_size, b.st_ino, b.st_mtime_ns, b.st_size)
+
+    def reload(self) -> bool:
+        """Load the files if they changed; True when a new context is in use."""
+        signature = self._stat()
+        if signature is None or signature == self._signature:
+            return False
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.set_alpn_protocols(["http/1.1"])
+        ctx.num_tickets = 0  # the apiserver does not resume sessions: skip the work
+        try:
+            ctx.load_cert_chain(str(self.cert), str(self.key))
+        except (ssl.SSLError, OSError) as exc:
+            # e.g. the key was replaced and the certificate not yet: try again next time
+            metrics.CERT_RELOADS.labels(result="failed").inc()
+            log.warning("webhook: loading %s failed (%s); keeping the current one", self.cert, exc)
+            return False
+        self.context = ctx
+        self._signature = signature
+        self.loaded_at = time.time()
+        metrics.CERT_RELOADS.labels(result="loaded").inc()
+        log.info("webhook: serving certificate loaded from %s", self.cert)
+        return True
+
+
+# --- HTTP ---------------------------------------------------------------------------------------
+
+
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    411: "Length Required",
+    413: "Payload Too Large",
+    503: "Service Unavailable",
+}
+MAX_BODY = 8 << 20
+"""An AdmissionReview is bounded by the apiserver's request limit (3 MiB objects)."""
+
+
+def _response(code: int, body: bytes, content_type: bytes = b"application/json") -> bytes:
+    return (
+        b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n"
+        % (code, _REASONS.get(code, "").encode(), content_type, len(body))
+        + body
+    )
+
+
+def serve_connection(conn: Any, app: AdmissionHandler) -> None:
+    """Answer HTTP/1.1 requests on one (TLS) connection until the peer closes it.
+
+    A small keep-alive loop instead of BaseHTTPRequestHandler: the apiserver sends one
+    POST with a Content-Length at a time, and this costs a fraction of the CPU (the
+    webhook's CPU is the apiserver's latency). Each answer leaves in one write."""
+    buf = b""
+    while True:
+        while b"\r\n\r\n" not in buf:
+            chunk = conn.recv(65536)
+            if not chunk:
+                return
+            buf += chunk
+            if len(buf) > 65536 and b"\r\n\r\n" not in buf:
+                conn.sendall(_response(413, b'{"error":"headers too large"}'))
+                return
+        head, _, rest = buf.partition(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        try:
+            method, target, _version = lines[0].split(b" ", 2)
+        except ValueError:
+            conn.sendall(_response(400, b'{"error":"bad request line"}'))
+            return
+        headers = {}
+        for line in lines[1:]:
+            key, _, value = line.partition(b":")
+            headers[key.strip().lower()] = value.strip()
+        if b"transfer-encoding" in headers:
+            conn.sendall(_response(411, b'{"error":"send a Content-Length"}'))
+            return
+        try:
+            length = int(headers.get(b"content-length", b"0"))
+        except ValueError:
+            length = -1
+        if not 0 <= length <= MAX_BODY:
+            conn.sendall(_response(413, b'{"error":"bad Content-Length"}'))
+            return
+        while len(rest) < length:
+            chunk = conn.recv(max(65536, length - len(rest)))
+            if not chunk:
+                return
+            rest += chunk
+        body, buf = rest[:length], rest[length:]
+        path = target.split(b"?", 1)[0].decode("latin-1")
+        conn.sendall(_answer(method, path, body, app))
+        if headers.get(b"connection", b"").lower() == b"close":
+            return
+
+
+def _answer(method: bytes, path: str, body: bytes, app: AdmissionHandler) -> bytes:
+    if method == b"GET":
+        if path in HEALTH_PATHS:
+            ok = app.synced.is_set()
+            text = b"ok" if ok else b"networks not loaded"
+            return _response(200 if ok else 503, text, b"text/plain")
+        return _response(404, b"not found", b"text/plain")
+    if method != b"POST" or path not in (MUTATE_PATH, VALIDATE_PATH):
+        return _response(404, b'{"error":"unknown path"}')
+    started = time.perf_counter()
+    try:
+        review = json.loads(body)
+    except ValueError:
+        return _response(400, b'{"error":"body is not JSON"}')
+    answer = app.review(path, review)
+    data = _response(200, json.dumps(answer, separators=(",", ":")).encode())
+    metrics.LATENCY.labels(endpoint=path).observe(time.perf_counter() - started)
+    return data
+
+
+class _HttpsServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
+    daemon_threads = True
+    request_queue_size = 256
+    allow_reuse_address = True
+
+    def __init__(
+        self, address: tuple[str, int], app: AdmissionHandler, tls: TlsFiles, idle: float
+    ) -> None:
+        self.app = app
+        self.tls = tls
+        self.idle_timeout = idle
+        super().__init__(address, socketserver.BaseRequestHandler)
+
+    def finish_request(self, request: Any, client_address: Any) -> None:
+        # Runs in the connection's own thread: the TLS handshake never blocks accept().
+        ctx = self.tls.context
+        if ctx is None:
+            return
+        request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        request.settimeout(10)
+        try:
+            conn = ctx.wrap_socket(request, server_side=True)
+        except (ssl.SSLError, OSError) as exc:
+            metrics.CONNECTIONS.labels(result="handshake-failed").inc()
+            log.debug("webhook: TLS handshake with %s failed: %s", client_address, exc)
+            return
+        metrics.CONNECTIONS.labels(result="accepted").inc()
+        try:
+            conn.settimeout(self.idle_timeout)
+            serve_connection(conn, self.app)
+        except (OSError, ssl.SSLError) as exc:
+            log.debug("webhook: connection from %s ended: %s", client_address, exc)
+        finally:
+            with contextlib.suppress(OSError):
+                conn.close()
+
+
+@dataclass
+class ServerOptions:
+    cert_dir: Path
+    address: str = "0.0.0.0"
+    port: int = 8443
+    reload_interval: float = 2.0
+    idle_timeout: float = 90.0
+
+
+class WebhookServer:
+    """The HTTPS server in background threads; `port` is the bound port (0 = any)."""
+
+    def __init__(self, options: ServerOptions, app: AdmissionHandler) -> None:
+        self.options = options
+        self.app = app
+        self.tls = TlsFiles(options.cert_dir / "tls.crt", options.cert_dir / "tls.key")
+        self._httpd: _HttpsServer | None = None
+        self._stop = threading.Event()
+
+    @property
+    def port(self) -> int:
+        assert self._httpd is not None
+        return int(self._httpd.server_address[1])
+
+    def start(self) -> None:
+        if self.tls.context is None:
+            raise RuntimeError(
+                f"no serving certificate in {self.options.cert_dir} (tls.crt, tls.key): mount "
+                "the webhook Secret there, or pass --cert-secret / --manage-certs"
+            )
+        self._httpd = _HttpsServer(
+            (self.options.address, self.options.port), self.app, self.tls, self.options.idle_timeout
+        )
+        threading.Thread(
+            target=self._httpd.serve_forever,
+            kwargs={"poll_interval": 0.5},
+            daemon=True,
+            name="webhook-https",
+        ).start()
+        threading.Thread(target=self._reload_loop, daemon=True, name="webhook-tls-reload").start()
+        log.info("webhook: serving https on %s:%d", self.options.address, self.port)
+
+    def _reload_loop(self) -> None:
+        while not self._stop.wait(self.options.reload_interval):
+            self.tls.reload()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._httpd = None
+
+
+# --- the whole thing, embeddable --------------------------------------------------------------
+
+
+@dataclass
+class AppOptions:
+    cert_dir: Path | None = None
+    """Directory with tls.crt/tls.key (a mounted Secret). None: a private temp dir, filled
+    from `cert_secret`."""
+    cert_secret: str | None = None
+    """`namespace/name` of the certificate Secret, read through the API (no volume)."""
+    manage_certs: bool = False
+    """Create/rotate the Secret and write caBundles (what the leader does)."""
+    service: str = "metaroce-webhook"
+    service_namespace: str = "metaroce-system"
+    mutating_configs: Sequence[str] = ()
+    """MutatingWebhookConfigurations whose caBundle the leader writes (the chart's
+    `<fullname>-pods`)."""
+    validating_configs: Sequence[str] = ()
+    """ValidatingWebhookConfigurations likewise (the chart's `<fullname>-networks`)."""
+    cert_check_interval: float = 3600.0
+    address: str = "0.0.0.0"
+    port: int = 8443
+    check_pod_security: bool = True
+    default_pod_security: str = "privileged"
+    """The cluster's PodSecurity default enforce level (namespaces without the label)."""
+    namespace_ttl: float = 30.0
+    node_ttl: float = 30.0
+    sync_timeout: float = 2.0
+    reload_interval: float = 2.0
+
+
+class WebhookApp:
+    """Network watch + caches + (optional) certificate Secret sync/rotation + HTTPS server.
+
+    The operator embeds it as: `app = WebhookApp(options, api_client); app.start()` in
+    every replica (with `cert_secret` or a mounted `cert_dir`), and runs
+    `app.rotate_certificates()` from the leader only (or sets `manage_certs` in a
+    single-replica set-up). `app.stop()` on shutdown."""
+
+    def __init__(self, options: AppOptions, api_client: Any) -> None:
+        from metaroce_operator.webhooks.cache import (
+            NamespaceLabels,
+            NetworkWatch,
+            NodeLabels,
+            SecretWatch,
+        )
+
+        self.options = options
+        self.api_client = api_client
+        self.watch = NetworkWatch(api_client)
+        self.namespaces = NamespaceLabels(api_client, options.namespace_ttl)
+        self.nodes = NodeLabels(api_client, options.node_ttl)
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        cert_dir = options.cert_dir
+        if cert_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="metaroce-webhook-certs-")
+            cert_dir = Path(self._tmp.name)
+        self.cert_dir = cert_dir
+        secret = options.cert_secret or (
+            f"{options.service_namespace}/{options.service}-tls" if options.manage_certs else None
+        )
+        self.secret_ref = tuple(secret.split("/", 1)) if secret else None
+        self.secret_watch = (
+            SecretWatch(api_client, self.secret_ref[0], self.secret_ref[1], cert_dir)
+            if self.secret_ref and options.cert_dir is None
+            else None
+        )
+        self.handler = AdmissionHandler(
+            self.watch.views,
+            self.watch.synced,
+            self.namespaces.get,
+            self.nodes.get,
+            check_pod_security=options.check_pod_security,
+            default_pod_security=options.default_pod_security,
+            sync_timeout=options.sync_timeout,
+        )
+        self.server: WebhookServer | None = None
+        self._stop = threading.Event()
+
+    def rotate_certificates(self, *, force: bool = False, force_ca: bool = False) -> str | None:
+        """Leader: make the Secret valid (create/rotate) and publish its CA bundle."""
+        from kubernetes import client
+
+        if self.secret_ref is None:
+            raise RuntimeError("no certificate Secret configured: pass cert_secret")
+        namespace, name = self.secret_ref
+        bundle, changed = certs.ensure_secret(
+            client.CoreV1Api(self.api_client),
+            namespace,
+            name,
+            certs.service_dns_names(self.options.service, self.options.service_namespace),
+            force=force,
+            force_ca=force_ca,
+        )
+        certs.patch_ca_bundles(
+            client.AdmissionregistrationV1Api(self.api_client),
+            bundle.ca_bundle,
+            mutating=self.options.mutating_configs,
+            validating=self.options.validating_configs,
+        )
+        if self.secret_watch is not None:
+            self.secret_watch.sync_once()
+        return changed
+
+    def _rotation_loop(self) -> None:
+        while not self._stop.wait(self.options.cert_check_interval):
+            try:
+                self.rotate_certificates()
+            except Exception as exc:
+                log.warning("webhook: certificate check failed (%s); retrying later", exc)
+
+    def start(self, wait_certificates: float = 60.0) -> None:
+        self.watch.start()
+        if self.options.manage_certs:
+            self.rotate_certificates()
+            threading.Thread(target=self._rotation_loop, daemon=True, name="webhook-certs").start()
+        if self.secret_watch is not None:
+            self.secret_watch.start()
+            if not self.secret_watch.ready.wait(wait_certificates):
+                raise RuntimeError(
+                    f"the certificate Secret {'/'.join(self.secret_ref or ())} did not appear "
+                    f"within {wait_certificates:.0f} s: is the leader running with "
+                    "--manage-certs, or cert-manager installed?"
+                )
+        self.server = WebhookServer(
+            ServerOptions(
+                cert_dir=self.cert_dir,
+                address=self.options.address,
+                port=self.options.port,
+                reload_interval=self.options.reload_interval,
+            ),
+            self.handler,
+        )
+        self.server.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self.secret_watch is not None:
+            self.secret_watch.stop()
+        self.watch.stop()
+        if self.server is not None:
+            self.server.stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+
+# --- command line ---------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m metaroce_operator.webhooks",
+        description="Serve the MetaRoCE admission webhooks (pod mutation, network validation).",
+    )
+    p.add_argument("--address", default="0.0.0.0", help="listen address (default 0.0.0.0)")
+    p.add_argument("--port", type=int, default=8443, help="HTTPS port (default 8443)")
+    p.add_argument(
+        "--cert-dir",
+        type=Path,
+        help="directory with tls.crt and tls.key (the mounted webhook Secret); reloaded on change",
+    )
+    p.add_argument(
+        "--cert-secret",
+        metavar="NAMESPACE/NAME",
+        help="read the certificate Secret through the API instead of a mounted directory "
+        "(default with --manage-certs: SERVICE_NAMESPACE/SERVICE-tls)",
+    )
+    p.add_argument(
+        "--manage-certs",
+        action="store_true",
+        help="create/rotate the certificate Secret and write the caBundles (one replica only)",
+    )
+    p.add_argument("--service", default="metaroce-webhook", help="webhook Service name")
+    p.add_argument(
+        "--service-namespace", default="metaroce-system", help="namespace of the webhook Service"
+    )
+    p.add_argument(
+        "--mutating-config",
+        action="append",
+        default=[],
+        help="MutatingWebhookConfiguration whose caBundle to write (repeatable; with "
+        "--manage-certs)",
+    )
+    p.add_argument(
+        "--validating-config",
+        action="append",
+        default=[],
+        help="ValidatingWebhookConfiguration whose caBundle to write (repeatable; with "
+        "--manage-certs)",
+    )
+    p.add_argument("--kubeconfig", help="kubeconfig (default: in-cluster, then $KUBECONFIG)")
+    p.add_argument(
+        "--no-pod-security-check",
+        action="store_true",
+        help="do not refuse pods in namespaces whose Pod Security level forbids IPC_LOCK",
+    )
+    p.add_argument(
+        "--pod-security-default",
+        default="privileged",
+        choices=["privileged", "baseline", "restricted"],
+        help="the cluster's PodSecurity default enforce level, for namespaces without the "
+        "label (default privileged, the Kubernetes default)",
+    )
+    p.add_argument("--namespace-cache-ttl", type=float, default=30.0, metavar="SECONDS")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0 = none)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def load_api_client(kubeconfig: str | None) -> Any:
+    from kubernetes import client, config
+
+    if kubeconfig:
+        return config.new_client_from_config(config_file=kubeconfig)  # type: ignore[no-untyped-call]
+    try:
+        config.load_incluster_config()  # type: ignore[no-untyped-call]
+        return client.ApiClient()
+    except config.ConfigException:
+        return config.new_client_from_config()  # type: ignore[no-untyped-call]
+
+
+def serve_main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if args.cert_dir is None and args.cert_secret is None and not args.manage_certs:
+        _parser().error(
+            "give --cert-dir, --cert-secret or --manage-certs: the server needs a certificate"
+        )
+    if args.manage_certs and not (args.mutating_config or args.validating_config):
+        _parser().error(
+            "--manage-certs writes caBundles: name the configurations with --mutating-config "
+            "and --validating-config (the chart's <fullname>-pods and <fullname>-networks)"
+        )
+    if args.cert_secret and "/" not in args.cert_secret:
+        _parser().error(f"--cert-secret {args.cert_secret!r}: write NAMESPACE/NAME")
+    options = AppOptions(
+        cert_dir=args.cert_dir,
+        cert_secret=args.cert_secret,
+        manage_certs=args.manage_certs,
+        service=args.service,
+        service_namespace=args.service_namespace,
+        mutating_configs=tuple(args.mutating_config),
+        validating_configs=tuple(args.validating_config),
+        address=args.address,
+        port=args.port,
+        check_pod_security=not args.no_pod_security_check,
+        default_pod_security=args.pod_security_default,
+        namespace_ttl=args.namespace_cache_ttl,
+    )
+    if args.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(args.metrics_port)
+    app = WebhookApp(options, load_api_client(args.kubeconfig))
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    try:
+        app.start()
+    except RuntimeError as exc:
+        log.error("%s", exc)
+        app.stop()
+        return 1
+    # Everything loaded so far lives as long as the process: keep it out of the cyclic
+    # GC, whose full passes would otherwise stop every request thread for tens of ms.
+    gc.collect()
+    gc.freeze()
+    done.wait()
+    app.stop()
+    return 0
