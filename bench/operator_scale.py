@@ -1,0 +1,404 @@
+"""Operator convergence at scale, side by side in one run (not a timed test).
+
+On a local control plane with N kwok nodes (default 1,000):
+
+1. baseline: the network's own rendered DaemonSet (with its ServiceAccount and ConfigMap)
+   applied alone in another namespace; time until every pod is Running;
+2. operator: `kubectl apply` of the MetaRoceNetwork with the real operator process
+   running and the load generator writing each node's NodeState once its agent pod is
+   Running; time until the network's status says Ready with every node configured;
+3. idle: ~20 s after Ready, the operator's API writes (apiserver audit log) other than
+   its Lease renewals;
+4. the baseline again (warm cluster, the operator idling): each operator run is compared
+   with the faster of the baseline runs just before and after it, so a cold first run
+   cannot flatter the operator; with `--rounds N` the median ratio of N rounds is
+   reported (this machine is shared: single runs vary by tens of percent).
+
+Prints the ratio (operator / baseline; the target is <= 1.2), the operator's peak memory
+(VmHWM), and the writes to the network's status (audit log and the operator's counter).
+
+    .venv/bin/python bench/operator_scale.py [--nodes 1000] [--rounds 3] [--idle 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests" / "integration" / "operator"))
+
+from operator_env import (  # noqa: E402
+    CRD_DIR,
+    POD,
+    LoadGenerator,
+    OperatorProcess,
+    condition,
+    cpu_seconds,
+    network_manifest,
+)
+
+from metaroce_api import constants as c  # noqa: E402
+from metaroce_api import validate_network  # noqa: E402
+from metaroce_harness.cluster import FakeNode, LocalCluster, free_port  # noqa: E402
+from metaroce_operator.cli import chart_arguments  # noqa: E402
+from metaroce_operator.kube import KINDS, Kube, load_credentials  # noqa: E402
+from metaroce_operator.render import render_network  # noqa: E402
+from metaroce_operator.settings import RenderSettings  # noqa: E402
+
+AGENT_IMAGE = "example.com/metaroce-agent:v0.1.0"
+AUDIT_POLICY = {
+    "apiVersion": "audit.k8s.io/v1",
+    "kind": "Policy",
+    "omitStages": ["RequestReceived", "ResponseStarted"],
+    "rules": [
+        {"level": "None", "verbs": ["get", "list", "watch"]},
+        {"level": "Metadata"},
+    ],
+}
+
+
+def say(text: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+
+def running_pods(
+    kubeconfig: Path, namespace: str, selector: str, want: int, timeout: float
+) -> float:
+    """Seconds from now until `want` distinct pods are Running (watch, not polling)."""
+
+    async def watch() -> float:
+        kube = Kube(load_credentials(str(kubeconfig)), user_agent="bench")
+        started = time.monotonic()
+        running: set[str] = set()
+        try:
+            while True:
+                items, rv = await kube.list_with_version(POD, namespace, label_selector=selector)
+                for pod in items:
+                    if (pod.get("status") or {}).get("phase") == "Running":
+                        running.add(pod["metadata"]["name"])
+                if len(running) >= want:
+                    return time.monotonic() - started
+                async for kind, pod in kube.watch(
+                    POD, namespace, resource_version=rv, label_selector=selector
+                ):
+                    if kind == "ERROR":
+                        break
+                    if kind != "DELETED" and (pod.get("status") or {}).get("phase") == "Running":
+                        running.add(pod["metadata"]["name"])
+                        if len(running) % 200 == 0:
+                            say(f"  {len(running)}/{want} pods Running")
+                        if len(running) >= want:
+                            return time.monotonic() - started
+                    if time.monotonic() - started > timeout:
+                        raise TimeoutError(f"only {len(running)}/{want} pods Running")
+        finally:
+            await kube.close()
+
+    return asyncio.run(watch())
+
+
+def wait_gone(cluster: LocalCluster, namespace: str, selector: str, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        out = cluster.kubectl("get", "pods", "-n", namespace, "-l", selector, "-o", "name").stdout
+        if not out.strip():
+            return
+        time.sleep(1)
+    raise TimeoutError("pods were not deleted")
+
+
+def audit_writes(path: Path, since: float, user_agent: str) -> list[dict[str, Any]]:
+    """Write requests in the audit log from `since` on whose user agent starts so."""
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            continue
+        if ev.get("userAgent", "").startswith(user_agent) and stamp(ev) >= since - 1:
+            out.append(ev)
+    return out
+
+
+def stamp(ev: dict[str, Any]) -> float:
+    """The audit event's time as epoch seconds."""
+    text = ev.get("stageTimestamp") or ev.get("requestReceivedTimestamp") or ""
+    return time.mktime(time.strptime(text[:19], "%Y-%m-%dT%H:%M:%S")) - time.timezone
+
+
+def describe(ev: dict[str, Any]) -> str:
+    ref = ev.get("objectRef") or {}
+    sub = f"/{ref['subresource']}" if ref.get("subresource") else ""
+    return f"{ev['verb']} {ref.get('resource')}{sub}"
+
+
+class CpuMeter:
+    """CPU seconds per component between two points (where the time goes on a busy box)."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+        self.start = self.read()
+
+    def read(self) -> dict[str, float]:
+        out = {}
+        for name, pid in self.pids.items():
+            try:
+                out[name] = cpu_seconds(pid)
+            except OSError:
+                out[name] = 0.0
+        return out
+
+    def used(self) -> str:
+        now = self.read()
+        return ", ".join(f"{k} {now[k] - self.start[k]:.1f}" for k in self.pids)
+
+
+def row(label: str, value: str, extra: str = "") -> None:
+    print(f"{label:<42} {value:>10}  {extra}".rstrip())
+
+
+def tally(events: list[dict[str, Any]]) -> str:
+    return str(dict(Counter(map(describe, events)))) if events else ""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--nodes", type=int, default=1000)
+    parser.add_argument("--idle", type=float, default=20.0, help="seconds of idle observation")
+    parser.add_argument("--status-interval", default="2s")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="operator runs, each between two baseline runs (more rounds, less noise)",
+    )
+    parser.add_argument("--verbose", action="store_true", help="print every status change")
+    args = parser.parse_args()
+    if args.nodes < 1:
+        parser.error(f"--nodes {args.nodes}: give at least 1")
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: give at least 1")
+
+    work = Path(tempfile.mkdtemp(prefix="metaroce-bench-"))
+    policy = work / "audit-policy.yaml"
+    policy.write_text(yaml.safe_dump(AUDIT_POLICY))
+    audit_log = work / "audit.log"
+    cluster = LocalCluster(
+        extra_apiserver_args=[
+            f"--audit-policy-file={policy}",
+            f"--audit-log-path={audit_log}",
+            "--audit-log-mode=batch",
+            "--audit-log-batch-max-wait=1s",
+        ],
+    )
+    cluster.start()
+    op: OperatorProcess | None = None
+    gen: LoadGenerator | None = None
+    try:
+        say(f"control plane ready in {cluster.ready_seconds:.1f} s; adding {args.nodes} kwok nodes")
+        took = cluster.add_nodes(
+            [FakeNode(f"node-{i:04d}", labels={"rdma": "yes"}) for i in range(args.nodes)]
+        )
+        say(f"{args.nodes} nodes Ready in {took:.1f} s")
+        cluster.kubectl("apply", "--server-side", "-f", str(CRD_DIR))
+        cluster.kubectl("wait", "--for=condition=Established", f"crd/{c.NETWORK_CRD_NAME}")
+        for ns in ("metaroce-system", "baseline"):
+            cluster.kubectl("create", "namespace", ns)
+            cluster.kubectl(
+                "label", "namespace", ns, "pod-security.kubernetes.io/enforce=privileged"
+            )
+        manifest = network_manifest("scale", nodeSelector={"matchLabels": {"rdma": "yes"}})
+        selector = f"{c.NETWORK_LABEL}=scale"
+
+        # 1. Baseline: the same DaemonSet (and what its pods need), alone.
+        meta = {**manifest["metadata"], "generation": 1}
+        net = validate_network({**manifest, "metadata": meta})
+        children = render_network(net, RenderSettings("baseline", AGENT_IMAGE))
+        needed = [o for o in children if o["kind"] in ("ServiceAccount", "ConfigMap")]
+        ds = next(o for o in children if o["kind"] == "DaemonSet")
+        cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(needed))
+
+        components = {c.name: c.process.pid for c in cluster.components}
+        components["bench (load generator, watches)"] = os.getpid()
+
+        def baseline_run(label: str) -> float:
+            meter = CpuMeter(components)
+            say(f"baseline ({label}): applying the DaemonSet alone")
+            cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(ds))
+            took = running_pods(cluster.kubeconfig, "baseline", selector, args.nodes, 900)
+            say(f"baseline ({label}): {args.nodes} pods Running in {took:.1f} s")
+            say(f"  CPU seconds: {meter.used()}")
+            cluster.kubectl(
+                "delete", "daemonset", ds["metadata"]["name"], "-n", "baseline", "--wait=false"
+            )
+            wait_gone(cluster, "baseline", selector)
+            say("baseline pods deleted")
+            return took
+
+        baselines = [baseline_run("before round 1")]
+
+        # 2. The operator: kubectl apply -> status Ready.
+        op_args = [
+            *(a for a in chart_arguments("metaroce-system", AGENT_IMAGE) if "-port" not in a),
+            f"--metrics-port={free_port()}",
+            f"--health-port={free_port()}",
+            f"--status-interval={args.status_interval}",
+        ]
+        op = OperatorProcess(
+            op_args,
+            kubeconfig=cluster.kubeconfig,
+            log_path=work / "operator.log",
+            identity="bench-operator",
+        ).start()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and op.metric_safe("metaroce_operator_leader") != 1:
+            time.sleep(0.5)
+        components["operator"] = op.pid
+
+        def operator_run(label: str) -> tuple[float, float, float]:
+            """(seconds to Ready, seconds after the last NodeState write, wall start)."""
+            nonlocal gen
+            gen = LoadGenerator(cluster.kubeconfig, "metaroce-system", "scale", concurrency=16)
+            gen.start()
+            say(f"operator ({label}): applying the network with kubectl")
+            kube_probe = Kube(load_credentials(str(cluster.kubeconfig)), user_agent="bench")
+            started_wall = time.time()
+            meter = CpuMeter(components)
+            started = time.monotonic()
+            cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(manifest))
+
+            async def until_ready() -> None:
+                kind = KINDS[(c.API_VERSION, c.NETWORK_KIND)]
+                last = ""
+                try:
+                    while True:
+                        body = await kube_probe.get(kind, "scale")
+                        ready = condition(body, c.CONDITION_READY)
+                        nodes = (body.get("status") or {}).get("nodes") or {}
+                        summary = f"{ready.get('reason')} {nodes.get('summary')}"
+                        if summary != last and (args.verbose or ready.get("status") == "True"):
+                            say(f"  status: Ready={ready.get('status')} {summary}")
+                        last = summary
+                        if ready.get("status") == "True" and nodes.get("configured") == args.nodes:
+                            return
+                        if time.monotonic() - started > 900:
+                            raise TimeoutError("the network did not become Ready")
+                        await asyncio.sleep(0.2)
+                finally:
+                    await kube_probe.close()
+
+            asyncio.run(until_ready())
+            ready_at = time.monotonic()
+            say(f"operator ({label}): Ready with {args.nodes} nodes in {ready_at - started:.1f} s")
+            say(f"  CPU seconds: {meter.used()}")
+            return ready_at - started, ready_at - gen.last_write, started_wall
+
+        runs: list[tuple[float, float]] = []
+        status_writes: list[dict[str, Any]] = []
+        writes: list[dict[str, Any]] = []
+        kopf_writes: list[dict[str, Any]] = []
+        idle_writes: list[dict[str, Any]] = []
+        lease_renewals: list[dict[str, Any]] = []
+        status_writes_metric = 0.0
+        nodestate_writes = 0
+        for round_no in range(1, args.rounds + 1):
+            converge, own_delay, started_wall = operator_run(f"round {round_no}")
+            runs.append((converge, own_delay))
+            if round_no == 1:
+                # 3. Idle: what the operator writes when nothing changes.
+                ready_wall = time.time()
+                status_writes_metric = op.metric(
+                    "metaroce_operator_status_writes_total", network="scale"
+                )
+                say(f"idle: observing {args.idle:.0f} s")
+                time.sleep(args.idle + 2)
+                idle_from, idle_to = ready_wall + 2, ready_wall + 2 + args.idle
+                time.sleep(2)  # audit batches flush every second
+                ours = audit_writes(audit_log, started_wall, "metaroce-operator")
+                kopf_writes = audit_writes(audit_log, started_wall, "kopf")
+                writes = [e for e in ours if stamp(e) <= ready_wall]
+                status_writes = [
+                    e
+                    for e in writes
+                    if (e.get("objectRef") or {}).get("resource") == c.NETWORK_PLURAL
+                    and (e.get("objectRef") or {}).get("subresource") == "status"
+                ]
+                idle = [e for e in ours + kopf_writes if idle_from <= stamp(e) <= idle_to]
+                idle_writes = [
+                    e for e in idle if (e.get("objectRef") or {}).get("resource") != "leases"
+                ]
+                lease_renewals = [
+                    e for e in idle if (e.get("objectRef") or {}).get("resource") == "leases"
+                ]
+            assert gen is not None
+            gen.stop()
+            nodestate_writes += gen.writes
+            # 4. The baseline again (warm cluster; the operator idles meanwhile).
+            cluster.kubectl("delete", c.NETWORK_PLURAL, "scale", "--wait=true", "--timeout=300s")
+            wait_gone(cluster, "metaroce-system", selector)
+            deadline = time.monotonic() + 300
+            while (
+                time.monotonic() < deadline
+                and cluster.kubectl("get", c.NODESTATE_PLURAL, "-o", "name").stdout.strip()
+            ):
+                time.sleep(1)  # the baseline must not share the box with the clean-up
+            baselines.append(baseline_run(f"after round {round_no}"))
+        peak_kib = op.peak_rss_kib()
+        op.stop()
+
+        # Each operator run against the faster of the baselines just before and after it.
+        ratios = [conv / min(baselines[i], baselines[i + 1]) for i, (conv, _) in enumerate(runs)]
+        ratio = statistics.median(ratios)
+        print()
+        row("nodes", f"{args.nodes}")
+        row("rounds (baseline, operator, baseline, ...)", f"{args.rounds}")
+        row(
+            "baseline: DaemonSet alone, all Running",
+            ", ".join(f"{b:.1f}" for b in baselines) + " s",
+        )
+        row(
+            "operator: kubectl apply -> status Ready", ", ".join(f"{r[0]:.1f}" for r in runs) + " s"
+        )
+        row(
+            "  of which after the last NodeState write",
+            ", ".join(f"{r[1]:.1f}" for r in runs) + " s",
+            "(status batching)",
+        )
+        row("ratio per round (vs faster adjacent baseline)", ", ".join(f"{r:.2f}" for r in ratios))
+        row("ratio, median (target <= 1.2)", f"{ratio:.2f}", "OK" if ratio <= 1.2 else "OVER")
+        row("operator peak memory (VmHWM)", f"{peak_kib / 1024:.1f} MiB")
+        row("status writes, round 1 (audit log)", f"{len(status_writes)}")
+        row("status writes, round 1 (operator's counter)", f"{status_writes_metric:.0f}")
+        row("NodeState writes (load generator, all rounds)", f"{nodestate_writes}")
+        row("operator writes while converging (round 1)", f"{len(writes)}", tally(writes))
+        row("kopf's own writes (round 1 + idle)", f"{len(kopf_writes)}", tally(kopf_writes))
+        row(
+            f"idle writes in {args.idle:.0f} s (not lease)",
+            f"{len(idle_writes)}",
+            tally(idle_writes),
+        )
+        row("lease renewals in the same time", f"{len(lease_renewals)}")
+        print(f"logs: {work}")
+        return 0 if ratio <= 1.2 and not idle_writes else 1
+    finally:
+        if gen is not None:
+            gen.stop()
+        if op is not None:
+            op.stop()
+        cluster.stop()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,161 @@
+"""The operator process: endpoints, leader election, and one kopf run per leadership term.
+
+Every replica serves health and metrics and competes for the Lease. The winner starts a
+`Controller` and kopf (on its own thread, see `kopfrun`); when the lease is lost the write
+gate closes at once, the controller's tasks are cancelled and kopf is stopped, and the
+replica goes back to being a candidate. SIGTERM releases the lease so a follower takes
+over without waiting for it to expire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from typing import Any
+
+from aiohttp import web
+
+from metaroce_api import constants as c
+from metaroce_operator import __version__, metrics
+from metaroce_operator.controller import Controller
+from metaroce_operator.health import Checks, serve_health, serve_metrics
+from metaroce_operator.kopfrun import Bridge, KopfThread
+from metaroce_operator.kube import ApiError, Kube, load_credentials
+from metaroce_operator.leader import LeaderElector
+from metaroce_operator.settings import OperatorSettings
+
+log = logging.getLogger("metaroce.operator")
+
+
+class Process:
+    def __init__(self, settings: OperatorSettings) -> None:
+        self.settings = settings
+        self.creds = load_credentials(settings.kubeconfig)
+        self.kube = Kube(
+            self.creds, user_agent=f"metaroce-operator/{__version__} ({settings.identity})"
+        )
+        self.elector = LeaderElector(
+            self.kube,
+            namespace=settings.lease_namespace,
+            name=settings.lease_name,
+            identity=settings.identity,
+            lease_duration=settings.lease_duration,
+            renew_deadline=settings.renew_deadline,
+            retry_period=settings.retry_period,
+        )
+        self.stop = asyncio.Event()
+        self.crds_found = False
+        self.runners: list[web.AppRunner] = []
+
+    # -- probes ------------------------------------------------------------------------------
+
+    def live(self) -> tuple[bool, str]:
+        age = self.elector.clock() - self.elector.heartbeat
+        limit = max(30.0, 3 * self.settings.lease_duration)
+        return age < limit, f"lease loop ticked {age:.1f}s ago"
+
+    def ready(self) -> tuple[bool, str]:
+        if not self.crds_found:
+            return (
+                False,
+                "the MetaRoCE CRDs are not installed (kubectl apply --server-side -f crds/)",
+            )
+        age = self.elector.clock() - self.elector.last_contact
+        limit = max(3 * self.settings.lease_duration, 30.0)
+        role = "leader" if self.elector.is_leader() else f"follower of {self.elector.holder!r}"
+        return age < limit, f"{role}; apiserver answered {age:.1f}s ago"
+
+    # -- run -----------------------------------------------------------------------------------
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop.set)
+        s = self.settings
+        try:
+            if s.health_port:
+                checks = Checks(live=self.live, ready=self.ready)
+                self.runners.append(await serve_health(checks, s.bind_address, s.health_port))
+            if s.metrics_port:
+                self.runners.append(await serve_metrics(s.bind_address, s.metrics_port))
+            metrics.LEADER.set(0)
+            await self._wait_for_crds()
+            while not self.stop.is_set():
+                if not await self.elector.acquire(self.stop):
+                    break
+                await self._lead()
+        finally:
+            await self.elector.release()
+            for runner in self.runners:
+                await runner.cleanup()
+            await self.kube.close()
+        log.info("stopped")
+        return 0
+
+    async def _wait_for_crds(self) -> None:
+        path = f"/apis/{c.API_VERSION}"
+        announced = False
+        while not self.stop.is_set():
+            try:
+                found = await self.kube.request("GET", path)
+                plurals = {r.get("name") for r in found.get("resources") or []}
+                if {c.NETWORK_PLURAL, c.NODESTATE_PLURAL} <= plurals:
+                    self.crds_found = True
+                    self.elector.last_contact = self.elector.clock()
+                    return
+            except ApiError as err:
+                if err.status != 404:
+                    log.warning("checking for the CRDs: %s", err)
+            except OSError as err:
+                log.warning("the apiserver is not reachable: %s", err)
+            if not announced:
+                log.warning(
+                    "the %s CRDs are not installed yet; waiting (kubectl apply --server-side "
+                    "-f crds/)",
+                    c.GROUP,
+                )
+                announced = True
+            self.elector.heartbeat = self.elector.clock()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop.wait(), self.settings.retry_period)
+
+    async def _lead(self) -> None:
+        """One leadership term: until the lease is lost, kopf fails, or we are stopped."""
+        loop = asyncio.get_running_loop()
+        gate = self.elector.is_leader
+        controller = Controller(self.kube.gated(gate), self.settings)
+        kopf_thread = KopfThread(
+            Bridge(loop, controller, self.creds, gate), self.settings.render.namespace
+        )
+        kopf_thread.start()
+        tasks: dict[str, asyncio.Task[Any]] = {
+            "lease lost": loop.create_task(self.elector.hold(), name="lease"),
+            "controller stopped": loop.create_task(controller.run(), name="controller"),
+            "kopf stopped": loop.create_task(kopf_thread.wait(), name="kopf"),
+            "asked to stop": loop.create_task(self.stop.wait(), name="stop"),
+        }
+        done, _ = await asyncio.wait(tasks.values(), return_when=asyncio.FIRST_COMPLETED)
+        reasons = [why for why, task in tasks.items() if task in done]
+        log.info("leadership term ends: %s", ", ".join(reasons))
+        controller.close()
+        for task in tasks.values():
+            task.cancel()
+        for why, task in tasks.items():
+            with contextlib.suppress(asyncio.CancelledError):
+                try:
+                    await task
+                except Exception as err:
+                    metrics.ERRORS.labels(where="term").inc()
+                    log.error("%s: %r", why, err)
+        await kopf_thread.stop()
+        if self.elector.is_leader() and not self.stop.is_set():
+            # kopf or the controller died while we still lead: hand over rather than limp on.
+            await self.elector.release()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop.wait(), self.settings.lease_duration)
+
+
+def run(settings: OperatorSettings) -> int:
+    return asyncio.run(Process(settings).run())

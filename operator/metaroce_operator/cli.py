@@ -1,0 +1,246 @@
+"""`metaroce operator` (run the operator) and `metaroce render` (print children offline).
+
+Flags have environment fallbacks so that the chart can use the downward API (POD_NAME,
+POD_NAMESPACE); every value is validated with an error naming the flag and the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+import yaml
+
+from metaroce_api import InvalidObject, validate_network
+from metaroce_api import constants as c
+from metaroce_operator import __version__, crash
+from metaroce_operator.render import render_network
+from metaroce_operator.settings import (
+    DEFAULT_AGENT_IMAGE,
+    DEFAULT_LEASE_NAME,
+    DEFAULT_NAMESPACE,
+    OperatorSettings,
+    RenderSettings,
+    SettingsError,
+    check_port,
+    default_identity,
+    parse_seconds,
+)
+
+METRICS_PORT = 8080
+HEALTH_PORT = 8081
+
+
+def chart_arguments(namespace: str, agent_image: str) -> list[str]:
+    """The arguments the Helm chart passes to `metaroce operator`.
+
+    The chart's Deployment must use exactly these (tests start the operator with them);
+    the identity and namespace also come from POD_NAME / POD_NAMESPACE (downward API).
+    """
+    return [
+        f"--namespace={namespace}",
+        f"--agent-image={agent_image}",
+        f"--metrics-port={METRICS_PORT}",
+        f"--health-port={HEALTH_PORT}",
+        "--log-level=info",
+    ]
+
+
+def _env(*names: str, default: str | None = None) -> str | None:
+    for name in names:
+        value = os.environ.get(name)
+        if value:
+            return value
+    return default
+
+
+def _port(flag: str) -> Any:
+    def parse(text: str) -> int:
+        try:
+            return check_port(flag, int(text))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+
+    return parse
+
+
+def _operator_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="metaroce operator",
+        description="Run the MetaRoCE operator (leader-elected; safe to run several replicas).",
+    )
+    p.add_argument(
+        "--namespace",
+        default=_env("METAROCE_NAMESPACE", "POD_NAMESPACE", default=DEFAULT_NAMESPACE),
+        help="namespace of the agents and of the lease (env METAROCE_NAMESPACE, "
+        f"POD_NAMESPACE; default {DEFAULT_NAMESPACE})",
+    )
+    p.add_argument(
+        "--agent-image",
+        default=_env("METAROCE_AGENT_IMAGE", default=DEFAULT_AGENT_IMAGE),
+        help="agent image when a network does not set spec.agent.image "
+        f"(env METAROCE_AGENT_IMAGE; default {DEFAULT_AGENT_IMAGE})",
+    )
+    p.add_argument(
+        "--identity", default=None, help="name in the lease (default: POD_NAME, else host-pid)"
+    )
+    p.add_argument("--lease-name", default=DEFAULT_LEASE_NAME, help="Lease object name")
+    p.add_argument(
+        "--lease-namespace", default=None, help="namespace of the Lease (default: --namespace)"
+    )
+    p.add_argument("--lease-duration", default="15s", help="lease duration (default 15s)")
+    p.add_argument("--renew-deadline", default="10s", help="leader gives up after (default 10s)")
+    p.add_argument("--retry-period", default="2s", help="renew / retry period (default 2s)")
+    p.add_argument("--status-interval", default="2s", help="status batch interval (default 2s)")
+    p.add_argument("--housekeeping-interval", default="15s", help="node pass period (default 15s)")
+    p.add_argument("--cleanup-timeout", default="5m", help="wait for reverted nodes (default 5m)")
+    p.add_argument("--nodestate-grace", default="60s", help="min age of a collected NodeState")
+    p.add_argument(
+        "--metrics-port", type=_port("--metrics-port"), default=METRICS_PORT, help="0 = off"
+    )
+    p.add_argument(
+        "--health-port", type=_port("--health-port"), default=HEALTH_PORT, help="0 = off"
+    )
+    p.add_argument("--bind-address", default="0.0.0.0", help="address of the HTTP endpoints")
+    p.add_argument(
+        "--kubeconfig", default=None, help="kubeconfig (default: in-cluster, $KUBECONFIG)"
+    )
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="log level",
+    )
+    p.add_argument("--version", action="version", version=f"metaroce-operator {__version__}")
+    return p
+
+
+def settings_from_args(argv: Sequence[str]) -> OperatorSettings:
+    """Parse and validate; raises SettingsError / SystemExit (argparse) on bad input."""
+    args = _operator_parser().parse_args(list(argv))
+    render = RenderSettings(namespace=args.namespace, agent_image=args.agent_image)
+    return OperatorSettings(
+        render=render,
+        identity=args.identity or default_identity(),
+        lease_name=args.lease_name,
+        lease_namespace=args.lease_namespace or args.namespace,
+        lease_duration=parse_seconds("--lease-duration", args.lease_duration),
+        renew_deadline=parse_seconds("--renew-deadline", args.renew_deadline),
+        retry_period=parse_seconds("--retry-period", args.retry_period),
+        status_interval=parse_seconds("--status-interval", args.status_interval),
+        housekeeping_interval=parse_seconds("--housekeeping-interval", args.housekeeping_interval),
+        cleanup_timeout=parse_seconds("--cleanup-timeout", args.cleanup_timeout),
+        nodestate_grace=parse_seconds("--nodestate-grace", args.nodestate_grace),
+        metrics_port=args.metrics_port,
+        health_port=args.health_port,
+        bind_address=args.bind_address,
+        kubeconfig=args.kubeconfig,
+        log_level=args.log_level,
+    )
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    if level != "debug":
+        # kopf logs every handler call of every object at INFO: thousands per rollout.
+        logging.getLogger("kopf").setLevel(logging.WARNING)
+        logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+def run_main(argv: Sequence[str]) -> int:
+    """`metaroce operator [flags]`."""
+    try:
+        crash.check_env()
+        settings = settings_from_args(argv)
+    except SettingsError as err:
+        print(f"metaroce operator: error: {err}", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_level)
+    from metaroce_operator.app import run
+
+    logging.getLogger("metaroce.operator").info(
+        "metaroce-operator %s as %s: agents in %s, lease %s/%s",
+        __version__,
+        settings.identity,
+        settings.render.namespace,
+        settings.lease_namespace,
+        settings.lease_name,
+    )
+    return run(settings)
+
+
+# --- render ---------------------------------------------------------------------------------
+
+
+def _render_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="metaroce render",
+        description=(
+            "Print the objects the operator creates for a MetaRoceNetwork, offline (for "
+            "review and GitOps). Owner references are left out: they need the network's uid."
+        ),
+    )
+    p.add_argument("-f", "--filename", required=True, help="network YAML file ('-' for stdin)")
+    p.add_argument("--agent-image", default=DEFAULT_AGENT_IMAGE, help="default agent image")
+    p.add_argument("--namespace", default=DEFAULT_NAMESPACE, help="namespace of the agents")
+    p.add_argument("-o", "--output", choices=["yaml", "json"], default="yaml")
+    return p
+
+
+def _read_networks(source: str) -> list[dict[str, Any]]:
+    if source == "-":
+        text = sys.stdin.read()
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise SettingsError("-f", source, "no such file: give the path of a network YAML")
+        text = path.read_text()
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as err:
+        raise SettingsError("-f", source, f"not valid YAML ({err}); fix the file") from None
+    networks = []
+    for i, doc in enumerate(docs):
+        if not isinstance(doc, dict) or doc.get("kind") != c.NETWORK_KIND:
+            kind = doc.get("kind") if isinstance(doc, dict) else type(doc).__name__
+            raise SettingsError(
+                "-f",
+                source,
+                f"document {i + 1} is a {kind}, not a {c.NETWORK_KIND}: render takes networks only",
+            )
+        networks.append(doc)
+    if not networks:
+        raise SettingsError("-f", source, f"the file holds no {c.NETWORK_KIND}")
+    return networks
+
+
+def render_main(argv: Sequence[str], out: TextIO | None = None) -> int:
+    """`metaroce render -f network.yaml [--agent-image IMAGE] [--namespace NS] [-o json]`."""
+    out = out or sys.stdout
+    args = _render_parser().parse_args(list(argv))
+    try:
+        settings = RenderSettings(namespace=args.namespace, agent_image=args.agent_image)
+        docs = _read_networks(args.filename)
+        objects: list[dict[str, Any]] = []
+        for doc in docs:
+            objects += render_network(validate_network(doc), settings)
+    except (SettingsError, InvalidObject) as err:
+        print(f"metaroce render: error: {err}", file=sys.stderr)
+        return 1
+    if args.output == "json":
+        json.dump({"apiVersion": "v1", "kind": "List", "items": objects}, out, indent=2)
+        out.write("\n")
+    else:
+        out.write(f"# metaroce render (metaroce-operator {__version__}); no owner references.\n")
+        out.write(yaml.safe_dump_all(objects, sort_keys=False))
+    return 0

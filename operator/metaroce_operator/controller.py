@@ -1,0 +1,578 @@
+"""The leader's work: reconcile networks, aggregate their status, and the node pass.
+
+One `Controller` lives for one leadership term, on the main event loop. kopf (on its own
+thread, see `kopfrun`) feeds it network and child events and calls `reconcile`; its own
+`Informer` feeds it NodeStates. Everything it writes goes through a `Kube` view whose
+write gate closes the moment the lease is lost.
+
+- reconcile: validate, render, server-side apply every child (ConfigMap before the
+  DaemonSet), the cleanup finalizer; deterministic, so a restart re-applies no-ops.
+- status: watch events only mark a network dirty; `BatchLoop` computes its status at
+  most once per interval and writes only when it differs (idle = no writes).
+- node pass (periodic): garbage-collects NodeStates of nodes and networks that are gone,
+  re-checks NIC conflicts between networks, sets and clears probe taints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import defaultdict
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from metaroce_api import InvalidObject, MetaRoceNetwork, validate_network
+from metaroce_api import constants as c
+from metaroce_operator import cleanup, crash, events, metrics, probes, taints
+from metaroce_operator.apply import ApplyFailed, apply_children
+from metaroce_operator.conflicts import find_conflicts, selector_matches
+from metaroce_operator.informer import Informer
+from metaroce_operator.kube import KINDS, ApiError, Kube, NotLeader
+from metaroce_operator.observed import DaemonSetView, NodeReport, NodeView
+from metaroce_operator.render import config_generation, render_network
+from metaroce_operator.render.common import agent_config, child_name, config_hash
+from metaroce_operator.settings import OperatorSettings
+from metaroce_operator.status import (
+    CONFIGURED_PHASES,
+    BatchLoop,
+    CleanupView,
+    Observed,
+    compute_status,
+    invalid_status,
+    now_utc,
+    parse_status,
+    same_status,
+    transition_events,
+)
+
+log = logging.getLogger("metaroce.operator.controller")
+
+NETWORK = KINDS[(c.API_VERSION, c.NETWORK_KIND)]
+NODESTATE = KINDS[(c.API_VERSION, c.NODESTATE_KIND)]
+CONFIGMAP = KINDS[("v1", "ConfigMap")]
+NODE = KINDS[("v1", "Node")]
+OS_LABEL = "kubernetes.io/os"
+
+
+def _kill_point(kind: str) -> None:
+    """TEST ONLY (see `crash`): exit after the ConfigMap or the DaemonSet was applied."""
+    if kind == "ConfigMap":
+        crash.point("after-configmap")
+    elif kind == "DaemonSet":
+        crash.point("after-daemonset")
+
+
+class PermanentFailure(Exception):
+    """The spec cannot be reconciled as it is; retrying will not help until it changes."""
+
+
+@dataclass(frozen=True)
+class Applied:
+    generation: int
+    config_generation: int
+    config_hash: str
+
+
+def _rv(body: dict[str, Any]) -> int:
+    try:
+        return int((body.get("metadata") or {}).get("resourceVersion") or 0)
+    except ValueError:
+        return 0
+
+
+class Store:
+    """What the leader knows, reduced to what it needs."""
+
+    def __init__(self) -> None:
+        self.networks: dict[str, dict[str, Any]] = {}
+        self.reports: dict[str, dict[str, NodeReport]] = defaultdict(dict)
+        self.report_keys: dict[str, tuple[str, str]] = {}
+        self.daemonsets: dict[str, DaemonSetView] = {}
+        self.nodes: dict[str, NodeView] | None = None
+        self.applied: dict[str, Applied] = {}
+        self.errors: dict[str, tuple[str, str]] = {}
+        self.eligible: dict[str, frozenset[str]] = {}
+        self.conflicts: dict[str, tuple[str, ...]] = {}
+        self.taint_notes: dict[str, str] = {}
+        self.unhealthy: dict[str, frozenset[str]] = {}
+
+    def set_network(self, body: dict[str, Any]) -> bool:
+        """Keep the newest body; an event older than our own write's response is ignored
+        (resourceVersions are etcd revisions here; the watch delivers them in order)."""
+        name = body["metadata"]["name"]
+        old = self.networks.get(name)
+        if old is not None and 0 < _rv(body) < _rv(old):
+            return False
+        self.networks[name] = body
+        return True
+
+    def forget_network(self, name: str) -> None:
+        for table in (
+            self.networks,
+            self.daemonsets,
+            self.applied,
+            self.errors,
+            self.eligible,
+            self.conflicts,
+            self.taint_notes,
+            self.unhealthy,
+        ):
+            table.pop(name, None)
+
+
+class Controller:
+    def __init__(self, kube: Kube, settings: OperatorSettings) -> None:
+        self.kube = kube
+        self.settings = settings
+        self.store = Store()
+        self.batch = BatchLoop(self.flush, settings.status_interval, on_error=self._flush_error)
+        self._locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._kick = asyncio.Event()
+        self._timers: dict[str, asyncio.TimerHandle] = {}
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """The NodeState watch, the status loop and the node pass, until cancelled."""
+        nodestates = Informer(
+            self.kube, NODESTATE, lambda t, body: self.on_event(c.NODESTATE_KIND, t, body)
+        )
+        async with asyncio.TaskGroup() as group:
+            group.create_task(nodestates.run(), name="NodeState watch")
+            group.create_task(self.batch.run(), name="status batching")
+            group.create_task(self._node_pass_loop(), name="node pass")
+
+    def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for timer in self._timers.values():
+            timer.cancel()
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None and not isinstance(exc, NotLeader):
+            metrics.ERRORS.labels(where="background").inc()
+            log.error("%s failed: %s", task.get_name(), exc)
+
+    def _flush_error(self, name: str, exc: BaseException) -> None:
+        if isinstance(exc, NotLeader):
+            return
+        metrics.ERRORS.labels(where="status").inc()
+        log.warning("status of %s: %s (retrying)", name, exc)
+
+    # -- watch events (called on the main loop, in order) ---------------------------------
+
+    def on_event(self, kind: str, event_type: str | None, body: dict[str, Any]) -> None:
+        if kind == c.NETWORK_KIND:
+            self._network_event(event_type, body)
+        elif kind == c.NODESTATE_KIND:
+            self._nodestate_event(event_type, body)
+        elif kind == "DaemonSet":
+            self._daemonset_event(event_type, body)
+        elif kind in ("ConfigMap", "ServiceAccount", "ClusterRole", "ClusterRoleBinding"):
+            self._child_event(kind, event_type, body)
+
+    def _network_event(self, event_type: str | None, body: dict[str, Any]) -> None:
+        name = body["metadata"]["name"]
+        if event_type == "DELETED":
+            self.store.forget_network(name)
+            self.batch.forget(name)
+            metrics.forget_network(name)
+            self._spawn(self._delete_nodestates(name), f"delete NodeStates of {name}")
+            return
+        if self.store.set_network(body):
+            self.batch.mark(name)
+
+    def _nodestate_event(self, event_type: str | None, body: dict[str, Any]) -> None:
+        name = (body.get("metadata") or {}).get("name", "")
+        old = self.store.report_keys.pop(name, None)
+        if old is not None:
+            self.store.reports[old[0]].pop(old[1], None)
+            self.batch.mark(old[0])
+        if event_type == "DELETED":
+            return
+        report = NodeReport.from_body(body)
+        if report is None:
+            return
+        self.store.reports[report.network][report.node] = report
+        self.store.report_keys[name] = (report.network, report.node)
+        self.batch.mark(report.network)
+
+    def _daemonset_event(self, event_type: str | None, body: dict[str, Any]) -> None:
+        meta = body.get("metadata") or {}
+        network = (meta.get("labels") or {}).get(c.NETWORK_LABEL)
+        if (
+            not network
+            or meta.get("namespace") != self.settings.render.namespace
+            or meta.get("name") != child_name(network)
+        ):
+            return
+        if event_type == "DELETED":
+            self.store.daemonsets.pop(network, None)
+            self._reconcile_later(network, "its DaemonSet was deleted")
+        else:
+            view = DaemonSetView.from_body(body, c.CONFIG_HASH_ANNOTATION)
+            self.store.daemonsets[network] = view
+            applied = self.store.applied.get(network)
+            if applied is not None and view.template_hash != applied.config_hash:
+                self._reconcile_later(network, "its DaemonSet's config hash was changed")
+        self.batch.mark(network)
+
+    def _child_event(self, kind: str, event_type: str | None, body: dict[str, Any]) -> None:
+        """Re-apply a child deleted (or a ConfigMap edited) behind the operator's back."""
+        meta = body.get("metadata") or {}
+        network = (meta.get("labels") or {}).get(c.NETWORK_LABEL)
+        if not network or meta.get("name") != child_name(network):
+            return
+        if meta.get("namespace") not in (None, self.settings.render.namespace):
+            return
+        if event_type == "DELETED":
+            self._reconcile_later(network, f"its {kind} was deleted")
+        elif kind == "ConfigMap":
+            applied = self.store.applied.get(network)
+            digest = (meta.get("annotations") or {}).get(c.CONFIG_HASH_ANNOTATION)
+            if applied is not None and digest != applied.config_hash:
+                self._reconcile_later(network, "its ConfigMap was changed")
+
+    def _reconcile_later(self, name: str, why: str) -> None:
+        body = self.store.networks.get(name)
+        if body is None or cleanup.deleting(body) or name not in self.store.applied:
+            return
+        log.info("re-applying the children of %s: %s", name, why)
+        self._spawn(self._reconcile_retrying(name), f"reconcile {name}")
+
+    async def _reconcile_retrying(self, name: str) -> None:
+        for attempt in range(5):
+            # Fresh from the apiserver: a DaemonSet deleted by garbage collection may be
+            # seen before its network's own DELETED event.
+            body = await self.kube.get_or_none(NETWORK, name)
+            if body is None or cleanup.deleting(body):
+                return
+            try:
+                await self.reconcile(body)
+                return
+            except (PermanentFailure, NotLeader):
+                return
+            except Exception as err:
+                log.warning("reconcile of %s failed (%s), retrying", name, err)
+                await asyncio.sleep(2.0 * (attempt + 1))
+
+    # -- reconcile ------------------------------------------------------------------------
+
+    async def reconcile(self, body: dict[str, Any]) -> None:
+        """Render and apply the children of one network (idempotent)."""
+        name = body["metadata"]["name"]
+        async with self._locks[name]:
+            if cleanup.deleting(body):
+                return
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            result = "error"
+            try:
+                await self._reconcile(name, body)
+                result = "success"
+            except PermanentFailure:
+                result = "invalid"
+                raise
+            except NotLeader:
+                result = "not-leader"
+                raise
+            finally:
+                metrics.RECONCILES.labels(network=name, result=result).inc()
+                metrics.RECONCILE_SECONDS.observe(loop.time() - started)
+                if result == "error":
+                    metrics.ERRORS.labels(where="reconcile").inc()
+
+    async def _reconcile(self, name: str, body: dict[str, Any]) -> None:
+        self.store.set_network(body)
+        try:
+            network = validate_network(body)
+        except InvalidObject as err:
+            self._fail(name, c.REASON_INVALID_SPEC, str(err))
+            raise PermanentFailure(str(err)) from None
+        generation = network.metadata.generation or 0
+        namespace = self.settings.render.namespace
+        digest = config_hash(agent_config(network))
+        existing = await self.kube.get_or_none(CONFIGMAP, child_name(name), namespace)
+        config_gen = config_generation(digest, generation, existing)
+        children = render_network(network, self.settings.render, config_generation=config_gen)
+        try:
+            await apply_children(self.kube, children, after=_kill_point)
+        except ApplyFailed as err:
+            self._apply_failed(name, err)
+            raise
+        has = c.CLEANUP_FINALIZER in cleanup.finalizers(body)
+        if cleanup.wants_finalizer(body) != has:
+            await cleanup.set_finalizer(
+                self.kube, name, cleanup.wants_finalizer(body), c.FIELD_MANAGER
+            )
+        self.store.applied[name] = Applied(generation, config_gen, digest)
+        self.store.errors.pop(name, None)
+        log.info(
+            "applied the children of %s (generation %d, agent config of generation %d)",
+            name,
+            generation,
+            config_gen,
+        )
+        self.batch.mark(name)
+
+    def _fail(self, name: str, reason: str, message: str) -> None:
+        self.store.errors[name] = (reason, message)
+        self.batch.mark(name)
+
+    def _apply_failed(self, name: str, failure: ApplyFailed) -> None:
+        namespace = failure.obj["metadata"].get("namespace")
+        status = failure.error.status
+        if status == 404 and namespace:
+            self._fail(
+                name,
+                c.REASON_RENDER_FAILED,
+                f"the agent namespace {namespace!r} does not exist: create it (labelled "
+                "pod-security.kubernetes.io/enforce=privileged; the chart does) or start the "
+                "operator with --namespace set to an existing one",
+            )
+        elif status in (400, 403, 422):
+            self._fail(name, c.REASON_RENDER_FAILED, str(failure))
+            if status != 403:  # 403 may be RBAC being fixed: keep retrying
+                raise PermanentFailure(str(failure)) from failure
+
+    # -- status -----------------------------------------------------------------------------
+
+    async def flush(self, name: str) -> None:
+        """Compute the status of one network and write it if it changed."""
+        body = self.store.networks.get(name)
+        if body is None:
+            return
+        if cleanup.deleting(body):
+            await self._flush_deleting(name, body)
+            return
+        applied = self.store.applied.get(name)
+        error = self.store.errors.get(name)
+        if applied is None and error is None:
+            return  # not reconciled in this term yet: a status from nothing would flap
+        previous = parse_status(body.get("status"))
+        generation = int(body["metadata"].get("generation") or 0)
+        try:
+            network = validate_network(body)
+        except InvalidObject as err:
+            reason, message = error or (c.REASON_INVALID_SPEC, str(err))
+            new = invalid_status(previous, generation, reason, message, now_utc())
+        else:
+            new = compute_status(self._observed(name, network, applied, error), previous, now_utc())
+            self._track_unhealthy(name, network)
+        if new.nodes is not None:
+            metrics.set_network_nodes(
+                name,
+                {
+                    "desired": new.nodes.desired,
+                    "configured": new.nodes.configured,
+                    "healthy": new.nodes.healthy,
+                    "failed": new.nodes.failed,
+                },
+            )
+        if not same_status(new, previous):
+            await self._write_status(name, body, new, previous)
+
+    def _observed(
+        self,
+        name: str,
+        network: MetaRoceNetwork,
+        applied: Applied | None,
+        error: tuple[str, str] | None,
+        cleanup_view: CleanupView | None = None,
+    ) -> Observed:
+        reports = self.store.reports.get(name, {})
+        return Observed(
+            network=network,
+            applied_generation=applied.generation if applied else None,
+            config_generation=applied.config_generation if applied else None,
+            daemonset=self.store.daemonsets.get(name),
+            reports=reports,
+            verdicts=probes.judge(reports, network.spec.health.probe),
+            eligible=self.store.eligible.get(name),
+            conflicts=self.store.conflicts.get(name, ()),
+            taint_note=self.store.taint_notes.get(name, ""),
+            cleanup=cleanup_view,
+            error=error,
+        )
+
+    async def _write_status(self, name: str, body: dict[str, Any], new: Any, previous: Any) -> None:
+        crash.point("during-status")
+        obj = {
+            "apiVersion": c.API_VERSION,
+            "kind": c.NETWORK_KIND,
+            "metadata": {"name": name},
+            "status": new.to_api(),
+        }
+        try:
+            result = await self.kube.apply(obj, field_manager=c.FIELD_MANAGER, subresource="status")
+        except ApiError as err:
+            if err.status == 404:
+                return  # deleted meanwhile
+            raise
+        self.store.set_network(result)
+        metrics.STATUS_WRITES.labels(network=name).inc()
+        for spec in transition_events(previous, new):
+            await events.post(self.kube, body, spec, self.settings.identity)
+
+    def _track_unhealthy(self, name: str, network: MetaRoceNetwork) -> None:
+        """Wake the node pass early when the set of probe-failing nodes changed."""
+        if network.spec.health.action != "taint" and not self.store.unhealthy.get(name):
+            return
+        reports = self.store.reports.get(name, {})
+        verdicts = probes.judge(reports, network.spec.health.probe)
+        sick = frozenset(
+            node
+            for node, r in reports.items()
+            if r.phase in CONFIGURED_PHASES and not verdicts[node].healthy
+        )
+        if sick != self.store.unhealthy.get(name, frozenset()):
+            self.store.unhealthy[name] = sick
+            self._kick.set()
+
+    async def _flush_deleting(self, name: str, body: dict[str, Any]) -> None:
+        if c.CLEANUP_FINALIZER not in cleanup.finalizers(body):
+            return
+        now = now_utc()
+        reports = self.store.reports.get(name, {})
+        nodes = set(self.store.nodes) if self.store.nodes is not None else None
+        view = cleanup.cleanup_view(body, reports, nodes, now, self.settings.cleanup_timeout)
+        if view.pending and not view.timed_out:
+            self._recheck_at(name, cleanup.seconds_left(body, now, self.settings.cleanup_timeout))
+        try:
+            network: MetaRoceNetwork | None = validate_network(body)
+        except InvalidObject:
+            network = None
+        if network is not None and (view.pending or view.timed_out):
+            previous = parse_status(body.get("status"))
+            observed = self._observed(
+                name, network, self.store.applied.get(name), None, cleanup_view=view
+            )
+            new = compute_status(observed, previous, now)
+            if not same_status(new, previous):
+                await self._write_status(name, body, new, previous)
+        if view.pending and not view.timed_out:
+            return
+        if view.timed_out:
+            log.warning(
+                "%s: %d node(s) did not report reverted in time, releasing anyway: %s",
+                name,
+                len(view.pending),
+                ", ".join(view.pending[:10]),
+            )
+        else:
+            log.info("%s: every node reported its settings reverted; releasing", name)
+        await cleanup.set_finalizer(self.kube, name, False, c.FIELD_MANAGER)
+
+    def _recheck_at(self, name: str, delay: float) -> None:
+        if name in self._timers:
+            self._timers[name].cancel()
+        loop = asyncio.get_running_loop()
+        self._timers[name] = loop.call_later(delay + 0.5, self.batch.mark, name)
+
+    # -- the node pass ----------------------------------------------------------------------
+
+    async def _node_pass_loop(self) -> None:
+        await asyncio.sleep(min(2.0, self.settings.housekeeping_interval))
+        while True:
+            try:
+                await self.node_pass()
+            except NotLeader:
+                raise
+            except Exception as err:
+                metrics.ERRORS.labels(where="nodes").inc()
+                log.warning("node pass failed: %s", err)
+            self._kick.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._kick.wait(), self.settings.housekeeping_interval)
+
+    async def node_pass(self) -> None:
+        node_bodies = await self.kube.list_items(NODE, cached=True)
+        self.store.nodes = {v.name: v for v in map(NodeView.from_body, node_bodies)}
+        live_networks = {
+            b["metadata"]["name"] for b in await self.kube.list_items(NETWORK, cached=True)
+        }
+        await self._collect_garbage(live_networks)
+        valid: dict[str, MetaRoceNetwork] = {}
+        for name, body in self.store.networks.items():
+            if cleanup.deleting(body):
+                continue
+            with contextlib.suppress(InvalidObject):
+                valid[name] = validate_network(body)
+        labels = {name: view.labels for name, view in self.store.nodes.items()}
+        for name, network in valid.items():
+            eligible = frozenset(
+                node
+                for node, node_labels in labels.items()
+                if node_labels.get(OS_LABEL) == "linux"
+                and selector_matches(network.spec.node_selector, node_labels)
+            )
+            if self.store.eligible.get(name) != eligible:
+                self.store.eligible[name] = eligible
+                self.batch.mark(name)
+        netdevs = {
+            network: {node: r.netdevs for node, r in by_node.items() if r.netdevs}
+            for network, by_node in self.store.reports.items()
+        }
+        for name, found in find_conflicts(valid.values(), labels, netdevs).items():
+            messages = tuple(conflict.message() for conflict in found)
+            if self.store.conflicts.get(name, ()) != messages:
+                self.store.conflicts[name] = messages
+                self.batch.mark(name)
+                for message in messages:
+                    log.warning("%s: NIC conflict: %s", name, message)
+        for name, network in valid.items():
+            await self._taints(name, network)
+
+    async def _collect_garbage(self, live_networks: set[str]) -> None:
+        nodes = self.store.nodes or {}
+        now = now_utc()
+        doomed: list[NodeReport] = []
+        for network, by_node in self.store.reports.items():
+            for node, report in by_node.items():
+                gone = node not in nodes or network not in live_networks
+                age = (now - report.created).total_seconds() if report.created else 1e9
+                if gone and age >= self.settings.nodestate_grace:
+                    doomed.append(report)
+        for report in doomed:
+            why = "node" if report.node not in nodes else "network"
+            if await self.kube.delete(NODESTATE, report.name, uid=report.uid or None):
+                log.info("deleted NodeState %s: its %s no longer exists", report.name, why)
+
+    async def _delete_nodestates(self, network: str) -> None:
+        """One request for all of them (agents label their NodeStates); an unlabelled
+        straggler is collected by the node pass once its network is gone."""
+        await self.kube.delete_collection(NODESTATE, label_selector=f"{c.NETWORK_LABEL}={network}")
+        log.info("deleted the NodeStates of %s", network)
+
+    async def _taints(self, name: str, network: MetaRoceNetwork) -> None:
+        health = network.spec.health
+        reports = self.store.reports.get(name, {})
+        verdicts = probes.judge(reports, health.probe)
+        sick = {
+            node
+            for node, r in reports.items()
+            if r.phase in CONFIGURED_PHASES and not verdicts[node].healthy
+        }
+        members = set(self.store.eligible.get(name) or reports)
+        plan = taints.plan_taints(
+            name, health.action, health.max_tainted_fraction, members, sick, self.store.nodes or {}
+        )
+        if not plan.empty:
+            changed = await taints.apply_plan(self.kube, name, plan)
+            metrics.TAINT_CHANGES.labels(network=name).inc(changed)
+        note = plan.note(health.max_tainted_fraction, len(members))
+        if note != self.store.taint_notes.get(name, ""):
+            self.store.taint_notes[name] = note
+            self.batch.mark(name)

@@ -1,0 +1,147 @@
+"""kopf, embedded: its own thread and event loop, bridged to the controller.
+
+Why a thread: `kopf.operator()` cancels every task created after it started when it stops,
+and installs its own SIGINT/SIGTERM handlers. Run on the main loop, that would cancel the
+lease renewal and the health server whenever leadership ends. On its own thread (kopf
+skips signal handlers there) it can be started for a leadership term and stopped with a
+flag, while the controller, the lease and the HTTP endpoints live on the main loop.
+
+Handlers (see `handlers`) only hand watch events and reconcile calls over the `Bridge`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import kopf
+
+from metaroce_api.constants import GROUP
+from metaroce_operator.controller import Controller, PermanentFailure
+from metaroce_operator.kube import Credentials, NotLeader
+
+log = logging.getLogger("metaroce.operator.kopf")
+KOPF_ANNOTATION_PREFIX = f"operator.{GROUP}"
+"""Prefix of the annotations kopf keeps on networks (last-handled configuration, progress)."""
+
+
+def plain(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A deep copy of a kopf body as plain dicts (it crosses to another thread)."""
+    return copy.deepcopy({k: body[k] for k in body})
+
+
+class Bridge:
+    """Lets handlers on kopf's loop reach the controller on the main loop."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        controller: Controller,
+        creds: Credentials,
+        gate: Callable[[], bool],
+    ) -> None:
+        self.loop = loop
+        self.controller = controller
+        self.creds = creds
+        self.gate = gate
+
+    def connection_info(self) -> kopf.ConnectionInfo:
+        return kopf.ConnectionInfo(
+            server=self.creds.server,
+            ca_path=self.creds.ca_path,
+            insecure=self.creds.insecure,
+            certificate_path=self.creds.cert_path,
+            private_key_path=self.creds.key_path,
+            scheme="Bearer" if self.creds.token() else None,
+            token=self.creds.token(),
+        )
+
+    def event(self, kind: str, event_type: str | None, body: Mapping[str, Any]) -> None:
+        """Hand a watch event over (non-blocking, keeps the order of the watch)."""
+        self.loop.call_soon_threadsafe(self.controller.on_event, kind, event_type, plain(body))
+
+    async def reconcile(self, body: Mapping[str, Any]) -> None:
+        """Run the controller's reconcile; a non-leader never acts and never lets kopf
+        record a failure (it waits to be cancelled by the stop)."""
+        if not self.gate():
+            await asyncio.Event().wait()
+        future = asyncio.run_coroutine_threadsafe(self.controller.reconcile(plain(body)), self.loop)
+        try:
+            await asyncio.wrap_future(future)
+        except NotLeader:
+            await asyncio.Event().wait()
+        except PermanentFailure as err:
+            raise kopf.PermanentError(str(err)) from None
+
+
+def kopf_settings() -> kopf.OperatorSettings:
+    settings = kopf.OperatorSettings()
+    # No Event per successful handler: only warnings and errors are posted.
+    settings.posting.level = logging.WARNING
+    # Our Lease elects the leader; kopf's peering would pause replicas of equal priority.
+    settings.peering.standalone = True
+    # Watch the namespaces and CRDs we are told, without listing/watching all of them.
+    settings.scanning.disabled = True
+    # Our own annotation prefix instead of kopf.zalando.org; no status.kopf (pruned anyway).
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
+        prefix=KOPF_ANNOTATION_PREFIX, v1=False
+    )
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=KOPF_ANNOTATION_PREFIX, key="last-handled-configuration", v1=False
+    )
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    return settings
+
+
+class KopfThread:
+    """One kopf run (one leadership term) on its own thread."""
+
+    def __init__(self, bridge: Bridge, namespace: str) -> None:
+        self.bridge = bridge
+        self.namespace = namespace
+        self.stop_flag = threading.Event()
+        self.ready_flag = threading.Event()
+        self.error: BaseException | None = None
+        self.finished = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        self.thread = threading.Thread(target=self._main, name="kopf", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _main(self) -> None:
+        from metaroce_operator import handlers
+
+        try:
+            asyncio.run(
+                kopf.operator(
+                    registry=handlers.registry,
+                    settings=kopf_settings(),
+                    standalone=True,
+                    namespaces=[self.namespace],
+                    memo=kopf.Memo(bridge=self.bridge),
+                    stop_flag=self.stop_flag,
+                    ready_flag=self.ready_flag,
+                )
+            )
+        except BaseException as err:  # reported to the main loop, which ends the term
+            self.error = err
+        finally:
+            self._loop.call_soon_threadsafe(self.finished.set)
+
+    async def wait(self) -> None:
+        await self.finished.wait()
+        if self.error is not None:
+            raise RuntimeError(f"kopf stopped: {self.error!r}") from self.error
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        self.stop_flag.set()
+        try:
+            await asyncio.wait_for(self.finished.wait(), timeout)
+        except TimeoutError:
+            log.warning("kopf did not stop within %.0fs; abandoning its thread", timeout)

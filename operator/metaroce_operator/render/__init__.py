@@ -1,0 +1,37 @@
+"""Rendering of a network's children: pure functions from (network, settings) to objects.
+
+One module per child kind (configmap, rbac, daemonset) over jinja2 templates in
+`templates/agent/`; `render_network` returns them in apply order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from metaroce_api import MetaRoceNetwork
+from metaroce_operator.render.common import RenderContext, child_labels, child_name
+from metaroce_operator.render.configmap import config_generation, render_configmap
+from metaroce_operator.render.daemonset import render_daemonset
+from metaroce_operator.render.rbac import render_rbac
+from metaroce_operator.settings import RenderSettings
+
+__all__ = [
+    "RenderContext",
+    "child_labels",
+    "child_name",
+    "config_generation",
+    "render_network",
+]
+
+
+def render_network(
+    network: MetaRoceNetwork,
+    settings: RenderSettings,
+    *,
+    config_generation: int | None = None,
+) -> list[dict[str, Any]]:
+    """The children of `network`, in apply order: ServiceAccount, ClusterRole,
+    ClusterRoleBinding, ConfigMap, DaemonSet (the DaemonSet last, so its pods find the
+    rest). `config_generation`: see `render.configmap.config_generation`."""
+    ctx = RenderContext.build(network, settings, config_generation)
+    return [*render_rbac(ctx), render_configmap(ctx), render_daemonset(ctx)]

@@ -1,0 +1,72 @@
+"""The node-agent DaemonSet."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from metaroce_api import MetaRoceNetwork
+from metaroce_api import constants as c
+from metaroce_operator.render.common import (
+    CONFIG_DIR,
+    CONFIG_FILE,
+    RenderContext,
+    render_template,
+)
+
+
+def node_placement(network: MetaRoceNetwork) -> tuple[dict[str, str], dict[str, Any] | None]:
+    """(nodeSelector, affinity) equal to the network's label selector.
+
+    matchLabels become the pod's nodeSelector; matchExpressions (In, NotIn, Exists,
+    DoesNotExist are valid node selector operators too) become a required node affinity.
+    """
+    selector = network.spec.node_selector
+    node_selector = {"kubernetes.io/os": "linux", **(selector.match_labels or {})}
+    expressions = [
+        {k: v for k, v in e.to_api().items() if k in ("key", "operator", "values")}
+        for e in selector.match_expressions or []
+    ]
+    if not expressions:
+        return node_selector, None
+    affinity = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchExpressions": expressions}]
+            }
+        }
+    }
+    return node_selector, affinity
+
+
+def tolerations(network: MetaRoceNetwork) -> list[dict[str, Any]]:
+    """The spec's tolerations plus the network's own taint, so an agent stays on a node
+    the operator tainted (it must keep reporting, or the node could never recover)."""
+    own = {"key": c.UNHEALTHY_TAINT_KEY, "operator": "Exists", "effect": c.UNHEALTHY_TAINT_EFFECT}
+    out = [t.to_api() for t in network.spec.tolerations or []]
+    if own not in out:
+        out.append(own)
+    return out
+
+
+def render_daemonset(ctx: RenderContext) -> dict[str, Any]:
+    spec = ctx.network.spec
+    node_selector, affinity = node_placement(ctx.network)
+    resources = spec.agent.resources
+    return render_template(
+        "agent/daemonset.yaml.j2",
+        **ctx.values(),
+        selector=ctx.selector,
+        max_unavailable=spec.agent.update_strategy.max_unavailable,
+        pod_annotations={c.CONFIG_HASH_ANNOTATION: ctx.config_hash},
+        node_selector=node_selector,
+        affinity=affinity,
+        tolerations=tolerations(ctx.network),
+        image=spec.agent.image or ctx.settings.agent_image,
+        config_dir=CONFIG_DIR,
+        config_file=CONFIG_FILE,
+        config_path=f"{CONFIG_DIR}/{CONFIG_FILE}",
+        config_key=c.AGENT_CONFIG_KEY,
+        resources={
+            k: v for k, v in (("requests", resources.requests), ("limits", resources.limits)) if v
+        },
+    )

@@ -1,0 +1,175 @@
+"""Operator settings: flags with environment fallbacks, validated with errors that name the
+flag, the value and the fix.
+
+Two groups: `RenderSettings` is what rendering a network's children needs (also offline,
+for `metaroce render`); `OperatorSettings` adds what the running operator needs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from dataclasses import dataclass, field
+from typing import Final
+
+from metaroce_api import parse_duration
+from metaroce_operator import __version__
+
+DEFAULT_NAMESPACE: Final = "metaroce-system"
+DEFAULT_AGENT_IMAGE: Final = f"ghcr.io/metaroce/metaroce-agent:v{__version__}"
+"""Pinned by the operator's own version: an operator renders agents of its release."""
+DEFAULT_LEASE_NAME: Final = "metaroce-operator"
+
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+_IMAGE = re.compile(r"^[a-z0-9][a-z0-9._/:-]*(:[\w][\w.-]{0,127}|@sha256:[0-9a-f]{64})$")
+
+
+class SettingsError(ValueError):
+    """A flag or environment value is wrong; the message says which and how to fix it."""
+
+    def __init__(self, flag: str, value: object, fix: str) -> None:
+        self.flag = flag
+        self.value = value
+        super().__init__(f"{flag}={value!r}: {fix}")
+
+
+def check_namespace(flag: str, value: str) -> str:
+    if not _DNS_LABEL.match(value):
+        raise SettingsError(
+            flag, value, "a namespace is a DNS label: lowercase letters, digits and '-', <= 63"
+        )
+    return value
+
+
+def check_image(flag: str, value: str) -> str:
+    if not _IMAGE.match(value):
+        raise SettingsError(
+            flag,
+            value,
+            "give a pinned image reference, e.g. registry.example.com/metaroce-agent:v0.1.0 "
+            "or ...@sha256:<digest>",
+        )
+    if value.endswith(":latest"):
+        raise SettingsError(flag, value, "images are pinned by tag, never latest: give a version")
+    return value
+
+
+def parse_seconds(flag: str, value: str | float) -> float:
+    """`15`, `2.5`, `15s`, `500ms`, `5m` -> seconds."""
+    if isinstance(value, int | float):
+        seconds = float(value)
+    else:
+        text = value.strip()
+        try:
+            seconds = float(text)
+        except ValueError:
+            try:
+                seconds = parse_duration(text).total_seconds()
+            except ValueError:
+                raise SettingsError(
+                    flag, value, "write seconds (15, 2.5) or a duration (15s, 500ms, 5m)"
+                ) from None
+    if seconds < 0:
+        raise SettingsError(flag, value, "a duration cannot be negative")
+    return seconds
+
+
+def check_port(flag: str, value: int) -> int:
+    if not 0 <= value <= 65535:
+        raise SettingsError(flag, value, "give a TCP port 1-65535, or 0 to turn the endpoint off")
+    return value
+
+
+def default_identity() -> str:
+    """The pod name in a cluster (downward API `POD_NAME`), else hostname and pid."""
+    return os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class RenderSettings:
+    """What rendering needs besides the network: where agents run and which image."""
+
+    namespace: str = DEFAULT_NAMESPACE
+    """Namespace of the agents (labelled for the `privileged` Pod Security level)."""
+    agent_image: str = DEFAULT_AGENT_IMAGE
+    """Image when the network does not set `spec.agent.image`."""
+
+    def __post_init__(self) -> None:
+        check_namespace("--namespace", self.namespace)
+        check_image("--agent-image", self.agent_image)
+
+
+@dataclass(frozen=True)
+class OperatorSettings:
+    """Everything the running operator is told."""
+
+    render: RenderSettings = field(default_factory=RenderSettings)
+    identity: str = field(default_factory=default_identity)
+    """This replica's name in the Lease."""
+    lease_name: str = DEFAULT_LEASE_NAME
+    lease_namespace: str = DEFAULT_NAMESPACE
+    lease_duration: float = 15.0
+    """Seconds a follower waits after the last renewal it saw before taking over."""
+    renew_deadline: float = 10.0
+    """A leader that could not renew for this long stops acting (before others may take over)."""
+    retry_period: float = 2.0
+    """Seconds between renewals and between a follower's attempts."""
+    status_interval: float = 2.0
+    """Status writes of one network are batched: at most one per interval."""
+    housekeeping_interval: float = 15.0
+    """Period of the node pass: stale NodeStates, taints, NIC conflicts."""
+    cleanup_timeout: float = 300.0
+    """How long a deleted network with cleanupOnDelete waits for the agents' reverted reports."""
+    nodestate_grace: float = 60.0
+    """A NodeState younger than this is never garbage-collected (its node may be joining)."""
+    metrics_port: int = 8080
+    health_port: int = 8081
+    bind_address: str = "0.0.0.0"
+    kubeconfig: str | None = None
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not self.identity or len(self.identity) > 128:
+            raise SettingsError("--identity", self.identity, "give a non-empty name <= 128 chars")
+        if not _DNS_SUBDOMAIN.match(self.lease_name):
+            raise SettingsError(
+                "--lease-name", self.lease_name, "a Lease name is a DNS subdomain (lowercase)"
+            )
+        check_namespace("--lease-namespace", self.lease_namespace)
+        if self.lease_duration < 2:
+            raise SettingsError("--lease-duration", self.lease_duration, "use at least 2s")
+        if not 0 < self.renew_deadline < self.lease_duration:
+            raise SettingsError(
+                "--renew-deadline",
+                self.renew_deadline,
+                f"must be above 0 and below --lease-duration ({self.lease_duration:g}s), so "
+                "a leader stops acting before a follower may take over",
+            )
+        if not 0 < self.retry_period < self.renew_deadline:
+            raise SettingsError(
+                "--retry-period",
+                self.retry_period,
+                f"must be above 0 and below --renew-deadline ({self.renew_deadline:g}s)",
+            )
+        if self.status_interval < 0.1:
+            raise SettingsError("--status-interval", self.status_interval, "use at least 0.1s")
+        if self.housekeeping_interval < 1:
+            raise SettingsError(
+                "--housekeeping-interval", self.housekeeping_interval, "use at least 1s"
+            )
+        check_port("--metrics-port", self.metrics_port)
+        check_port("--health-port", self.health_port)
+        if self.metrics_port and self.metrics_port == self.health_port:
+            raise SettingsError(
+                "--health-port", self.health_port, "must differ from --metrics-port"
+            )
+        if self.log_level not in ("debug", "info", "warning", "error"):
+            raise SettingsError(
+                "--log-level", self.log_level, "choose one of debug, info, warning, error"
+            )
+        if self.kubeconfig is not None and not os.path.isfile(self.kubeconfig):
+            raise SettingsError(
+                "--kubeconfig", self.kubeconfig, "no such file: give a kubeconfig path or omit"
+            )

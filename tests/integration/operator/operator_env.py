@@ -1,0 +1,444 @@
+"""Test support for the operator's integration tests and the scale benchmark.
+
+- `OperatorProcess`: the real operator (`python -m metaroce_operator`) as a subprocess,
+  on the host or inside the harness's pod network namespace.
+- `LoadGenerator`: stands in for the node agents. It watches the agent pods of one
+  network and, only once a pod is Running on its node, writes that node's
+  MetaRoceNodeState (built with the API models) for the config generation in the
+  network's ConfigMap, as a real agent would after applying it. Tests can make nodes
+  fail, fail their probes, or report reverted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from metaroce_api import (
+    AgentConfig,
+    AgentError,
+    Device,
+    MetaRoceNodeState,
+    MetaRoceNodeStateStatus,
+    NodeStateSpec,
+    ObjectMeta,
+    ProbePeer,
+    ProbeSummary,
+    nodestate_labels,
+    nodestate_name,
+)
+from metaroce_api import constants as c
+from metaroce_operator.kube import KINDS, ApiError, Kube, load_credentials
+from metaroce_operator.render.common import child_name
+
+REPO = Path(__file__).resolve().parents[3]
+CRD_DIR = REPO / "crds"
+POD = KINDS[("v1", "Pod")]
+CONFIGMAP = KINDS[("v1", "ConfigMap")]
+NODESTATE = KINDS[(c.API_VERSION, c.NODESTATE_KIND)]
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float = 60, every: float = 0.25) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(every)
+
+
+def network_manifest(name: str, **spec: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {"nics": {"interfaceNames": ["eth1"]}}
+    base.update(spec)
+    return {
+        "apiVersion": c.API_VERSION,
+        "kind": c.NETWORK_KIND,
+        "metadata": {"name": name},
+        "spec": base,
+    }
+
+
+def kubeconfig_via(kubeconfig: Path, host: str, out: Path) -> Path:
+    """A copy of `kubeconfig` that reaches the apiserver at `host` (for the pod netns)."""
+    doc = yaml.safe_load(kubeconfig.read_text())
+    for cluster in doc["clusters"]:
+        cluster["cluster"]["server"] = cluster["cluster"]["server"].replace("127.0.0.1", host)
+    out.write_text(yaml.safe_dump(doc))
+    return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (from /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# --------------------------------------------------------------------------- the operator
+
+
+class OperatorProcess:
+    """One operator replica as a subprocess; killed by its own pid only."""
+
+    def __init__(
+        self,
+        args: list[str],
+        *,
+        kubeconfig: Path,
+        log_path: Path,
+        identity: str,
+        netns: str | None = None,
+        host: str = "127.0.0.1",
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.args = args
+        self.kubeconfig = kubeconfig
+        self.log_path = log_path
+        self.identity = identity
+        self.netns = netns
+        self.host = host
+        self.env = dict(env or {})
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> OperatorProcess:
+        argv = [sys.executable, "-m", "metaroce_operator", *self.args]
+        if self.netns:
+            argv = ["ip", "netns", "exec", self.netns, *argv]
+        env = {
+            **os.environ,
+            "KUBECONFIG": str(self.kubeconfig),
+            "POD_NAME": self.identity,
+            "PYTHONUNBUFFERED": "1",
+            **self.env,
+        }
+        env.pop(
+            "METAROCE_TEST_CRASH_AT", None
+        ) if "METAROCE_TEST_CRASH_AT" not in self.env else None
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def _arg(self, flag: str) -> str | None:
+        for arg in self.args:
+            if arg.startswith(flag + "="):
+                return arg.split("=", 1)[1]
+        return None
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        port = self._arg("--metrics-port")
+        with urllib.request.urlopen(f"http://{self.host}:{port}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+        out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+        return out
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the samples of `name` whose labels include `labels`."""
+        return sum(
+            v
+            for (n, ls), v in self.metrics().items()
+            if n == name and set(labels.items()) <= set(ls)
+        )
+
+    def metric_safe(self, name: str, **labels: str) -> float:
+        """`metric`, or -1 while the endpoint does not answer yet."""
+        try:
+            return self.metric(name, **labels)
+        except OSError:
+            return -1.0
+
+    def probe(self, path: str) -> int:
+        port = self._arg("--health-port")
+        try:
+            with urllib.request.urlopen(f"http://{self.host}:{port}{path}", timeout=5) as resp:
+                return int(resp.status)
+        except urllib.error.HTTPError as err:
+            return int(err.code)
+        except OSError:
+            return 0  # not serving (yet)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pid, sig)
+
+    def wait(self, timeout: float) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        if not self.alive():
+            return
+        self.kill(signal.SIGTERM)
+        try:
+            self.wait(20)
+        except subprocess.TimeoutExpired:
+            self.kill(signal.SIGKILL)
+            self.wait(10)
+
+    def cpu_seconds(self) -> float:
+        return cpu_seconds(self.pid)
+
+    def peak_rss_kib(self) -> int:
+        """VmHWM of the process (peak resident set)."""
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+        return 0
+
+
+# --------------------------------------------------------------------------- agents' stand-in
+
+
+class LoadGenerator:
+    """Writes NodeStates the way agents would, once each agent pod is Running."""
+
+    def __init__(
+        self,
+        kubeconfig: Path,
+        namespace: str,
+        network: str,
+        *,
+        transport: str = "rocev2",
+        concurrency: int = 16,
+    ) -> None:
+        self.kubeconfig = kubeconfig
+        self.namespace = namespace
+        self.network = network
+        self.transport = transport
+        self.concurrency = concurrency
+        self.failing: dict[str, str] = {}
+        self.probe_peers: dict[str, list[ProbePeer]] = {}
+        self.self_healthy: dict[str, bool] = {}
+        self.reverted: set[str] = set()
+        self.written: dict[str, tuple[str, int]] = {}
+        """node -> (pod uid, config generation) last reported."""
+        self.writes = 0
+        self.last_write = 0.0
+        self.errors: list[str] = []
+        self._pods: dict[str, str] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queue: asyncio.Queue[str] | None = None
+        self._thread = threading.Thread(target=self._main, name="loadgen", daemon=True)
+        self._stop = threading.Event()
+        self._started = threading.Event()
+        self._cm_cache: tuple[float, int | None] = (0.0, None)
+
+    # -- control (from the test's thread) ------------------------------------------------
+
+    def start(self) -> LoadGenerator:
+        self._thread.start()
+        self._started.wait(10)
+        return self
+
+    def stop(self) -> None:
+        """Stop writing (idempotent)."""
+        self._stop.set()
+        self._thread.join(15)
+
+    def rewrite(self, nodes: Iterable[str]) -> None:
+        """Report these nodes again (after changing what they report)."""
+        assert self._loop is not None and self._queue is not None
+        for node in nodes:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, node)
+
+    def fail(self, node: str, error: str | None) -> None:
+        if error is None:
+            self.failing.pop(node, None)
+        else:
+            self.failing[node] = error
+        self.rewrite([node])
+
+    def revert(self, nodes: Iterable[str]) -> None:
+        nodes = list(nodes)
+        self.reverted.update(nodes)
+        self.rewrite(nodes)
+
+    def reported(self, generation: int | None = None) -> set[str]:
+        return {n for n, (_, g) in self.written.items() if generation is None or g == generation}
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def _main(self) -> None:
+        asyncio.run(self._run())
+
+    async def _run(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._queue = asyncio.Queue()
+        kube = Kube(load_credentials(str(self.kubeconfig)), user_agent="metaroce-loadgen")
+        self._started.set()
+        workers = [asyncio.create_task(self._writer(kube)) for _ in range(self.concurrency)]
+        watcher = asyncio.create_task(self._watch_pods(kube))
+        while not self._stop.is_set():
+            await asyncio.sleep(0.1)
+        watcher.cancel()
+        for w in workers:
+            w.cancel()
+        await asyncio.gather(watcher, *workers, return_exceptions=True)
+        await kube.close()
+
+    async def _watch_pods(self, kube: Kube) -> None:
+        selector = f"{c.NETWORK_LABEL}={self.network}"
+        while True:
+            try:
+                items, rv = await kube.list_with_version(
+                    POD, self.namespace, label_selector=selector
+                )
+                for pod in items:
+                    self._pod_seen(pod)
+                async for kind, pod in kube.watch(
+                    POD, self.namespace, resource_version=rv, label_selector=selector
+                ):
+                    if kind == "ERROR":
+                        break
+                    if kind == "DELETED":
+                        continue
+                    self._pod_seen(pod)
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:
+                self.errors.append(f"watch: {err}")
+                await asyncio.sleep(0.5)
+
+    def _pod_seen(self, pod: dict[str, Any]) -> None:
+        node = (pod.get("spec") or {}).get("nodeName")
+        phase = (pod.get("status") or {}).get("phase")
+        if not node or phase != "Running" or pod["metadata"].get("deletionTimestamp"):
+            return
+        uid = pod["metadata"]["uid"]
+        if self._pods.get(node) == uid:
+            return
+        self._pods[node] = uid
+        assert self._queue is not None
+        self._queue.put_nowait(node)
+
+    async def _config_generation(self, kube: Kube) -> int | None:
+        at, gen = self._cm_cache
+        if time.monotonic() - at < 0.5 and gen is not None:
+            return gen
+        cm = await kube.get_or_none(CONFIGMAP, child_name(self.network), self.namespace)
+        gen = None
+        if cm is not None:
+            gen = AgentConfig.from_yaml(cm["data"][c.AGENT_CONFIG_KEY]).generation
+        self._cm_cache = (time.monotonic(), gen)
+        return gen
+
+    async def _writer(self, kube: Kube) -> None:
+        assert self._queue is not None
+        while True:
+            node = await self._queue.get()
+            try:
+                await self._write(kube, node)
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:
+                self.errors.append(f"{node}: {err}")
+                await asyncio.sleep(0.5)
+                self._queue.put_nowait(node)
+
+    def nodestate(self, node: str, generation: int) -> MetaRoceNodeState:
+        error = self.failing.get(node)
+        peers = self.probe_peers.get(node)
+        probe = ProbeSummary(healthy=self.self_healthy.get(node, True), peers=peers or None)
+        phase = "Reverted" if node in self.reverted else ("Failed" if error else "Ready")
+        status = {
+            "phase": phase,
+            "configGeneration": generation,
+            "agentVersion": "loadgen",
+            "inventory": [Device(netdev="eth1", rdma_device="rxe0", rdma_kind="softroce").to_api()],
+            "transport": {"mode": self.transport, "ready": not error, "devices": ["rxe0"]},
+            "probe": probe.to_api(),
+            "reverted": node in self.reverted,
+        }
+        if error:
+            step, _, message = error.partition(": ")
+            status["errors"] = [AgentError(step=step, message=message or step).to_api()]
+        return MetaRoceNodeState(
+            metadata=ObjectMeta(
+                name=nodestate_name(self.network, node),
+                labels=nodestate_labels(self.network, node),
+            ),
+            spec=NodeStateSpec(network=self.network, node=node),
+            status=MetaRoceNodeStateStatus.model_validate(status),
+        )
+
+    async def _write(self, kube: Kube, node: str) -> None:
+        generation = await self._config_generation(kube)
+        if generation is None:
+            await asyncio.sleep(0.3)
+            assert self._queue is not None
+            self._queue.put_nowait(node)
+            return
+        obj = self.nodestate(node, generation).to_api()
+        status = obj.pop("status")
+        await kube.apply(obj, field_manager=c.AGENT_FIELD_MANAGER)
+        meta = {"name": obj["metadata"]["name"]}
+        try:
+            await kube.apply(
+                {
+                    "apiVersion": obj["apiVersion"],
+                    "kind": obj["kind"],
+                    "metadata": meta,
+                    "status": status,
+                },
+                field_manager=c.AGENT_FIELD_MANAGER,
+                subresource="status",
+            )
+        except ApiError as err:
+            if err.status != 404:
+                raise
+        self.written[node] = (self._pods.get(node, ""), generation)
+        self.writes += 2
+        self.last_write = time.monotonic()
+
+
+# --------------------------------------------------------------------------- kubectl helpers
+
+
+def get_json(cluster: Any, *args: str) -> Any:
+    proc = cluster.kubectl("get", *args, "-o", "json", check=False)
+    if proc.returncode != 0:
+        return None
+    return json.loads(proc.stdout)
+
+
+def condition(network: Mapping[str, Any] | None, ctype: str) -> dict[str, Any]:
+    for cond in ((network or {}).get("status") or {}).get("conditions") or []:
+        if cond["type"] == ctype:
+            return dict(cond)
+    return {}

@@ -1,0 +1,110 @@
+"""`metaroce render` and the operator's flags: good input works, bad input names the fix."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from metaroce_cli.main import main as metaroce
+from metaroce_operator.cli import chart_arguments, render_main, settings_from_args
+from metaroce_operator.settings import RenderSettings, SettingsError
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "networks"
+
+
+def test_render_prints_the_children(capsys: pytest.CaptureFixture[str]) -> None:
+    assert (
+        metaroce(
+            [
+                "render",
+                "-f",
+                str(FIXTURES / "rocev2-lossless.yaml"),
+                "--agent-image",
+                "example.com/a:v9",
+            ]
+        )
+        == 0
+    )
+    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert [d["kind"] for d in docs] == [
+        "ServiceAccount",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "ConfigMap",
+        "DaemonSet",
+    ]
+    pod = docs[-1]["spec"]["template"]["spec"]
+    assert pod["containers"][0]["image"] == "example.com/a:v9"
+    assert pod["nodeSelector"]["nvidia.com/gpu.present"] == "true"
+
+
+def test_render_json_and_stdin(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("sys.stdin", io.StringIO((FIXTURES / "softroce-lossy.yaml").read_text()))
+    out = io.StringIO()
+    assert render_main(["-f", "-", "-o", "json", "--namespace", "rdma"], out=out) == 0
+    items = json.loads(out.getvalue())["items"]
+    assert {i["metadata"].get("namespace") for i in items} == {"rdma", None}
+
+
+def test_render_rejects_invalid_networks_naming_fields(capsys: pytest.CaptureFixture[str]) -> None:
+    assert render_main(["-f", str(FIXTURES / "invalid.yaml")]) == 1
+    err = capsys.readouterr().err
+    assert "spec.qos.pfcPriorities" in err and "spec.colour" in err
+
+
+def test_render_rejects_other_kinds_and_missing_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    other = tmp_path / "cm.yaml"
+    other.write_text("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\n")
+    assert render_main(["-f", str(other)]) == 1
+    assert "not a MetaRoceNetwork" in capsys.readouterr().err
+    assert render_main(["-f", str(tmp_path / "nope.yaml")]) == 1
+    assert "no such file" in capsys.readouterr().err
+    assert (
+        render_main(["-f", str(FIXTURES / "softroce-lossy.yaml"), "--agent-image", "x:latest"]) == 1
+    )
+    assert "never latest" in capsys.readouterr().err
+
+
+def test_operator_flags_and_chart_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("POD_NAME", "metaroce-operator-abc")
+    monkeypatch.setenv("POD_NAMESPACE", "rdma-system")
+    s = settings_from_args(chart_arguments("rdma-system", "example.com/agent:v1"))
+    assert s.identity == "metaroce-operator-abc"
+    assert s.render == RenderSettings("rdma-system", "example.com/agent:v1")
+    assert s.lease_namespace == "rdma-system"
+    assert (s.metrics_port, s.health_port) == (8080, 8081)
+    s = settings_from_args(
+        ["--lease-duration=30s", "--renew-deadline=20", "--status-interval=500ms"]
+    )
+    assert (s.lease_duration, s.renew_deadline, s.status_interval) == (30, 20, 0.5)
+    assert s.render.namespace == "rdma-system"  # from POD_NAMESPACE
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--namespace=Bad_NS"], "--namespace"),
+        (["--agent-image=nope"], "--agent-image"),
+        (["--renew-deadline=20s"], "--renew-deadline"),
+        (["--retry-period=12s"], "--retry-period"),
+        (["--status-interval=soon"], "--status-interval"),
+        (["--metrics-port=8081"], "--health-port"),
+        (["--kubeconfig=/nonexistent"], "--kubeconfig"),
+    ],
+)
+def test_bad_flags_name_the_flag(argv: list[str], flag: str) -> None:
+    with pytest.raises(SettingsError) as err:
+        settings_from_args(argv)
+    assert err.value.flag == flag
+    assert ":" in str(err.value)
+
+
+def test_run_main_reports_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    assert metaroce(["operator", "--lease-name=UPPER"]) == 2
+    assert "--lease-name" in capsys.readouterr().err

@@ -1,0 +1,101 @@
+"""NIC conflicts between networks: glob intersection, selector overlap, observed overlap."""
+
+from __future__ import annotations
+
+import fnmatch
+import itertools
+
+import pytest
+from operator_testlib import network
+
+from metaroce_api import LabelSelector, NicSelector
+from metaroce_operator.conflicts import (
+    find_conflicts,
+    globs_intersect,
+    nic_overlap,
+    selector_matches,
+)
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "meet"),
+    [
+        ("ens1f*", "ens1f0", True),
+        ("ens1*", "ens2*", False),
+        ("eth[0-3]", "eth5", False),
+        ("eth[!0-3]", "eth5", True),
+        ("*", "anything", True),
+        ("a*b", "*c", False),
+        ("mlx5_*", "rxe*", False),
+        ("e?h1", "eth?", True),
+        ("[ab]x", "[bc]x", True),
+        ("[a]x", "[b]x", False),
+        ("eth1", "eth1", True),
+        ("eth1", "eth10", False),
+    ],
+)
+def test_globs_intersect(a: str, b: str, meet: bool) -> None:
+    assert globs_intersect(a, b) is meet
+    assert globs_intersect(b, a) is meet
+
+
+def test_globs_intersect_agrees_with_fnmatch_on_samples() -> None:
+    names = ["".join(p) for n in range(1, 4) for p in itertools.product("ab1", repeat=n)]
+    globs = ["a*", "*1", "?b", "a?1", "[ab]*", "[!a]1", "*", "b", "a*b*1"]
+    for x, y in itertools.product(globs, repeat=2):
+        brute = any(fnmatch.fnmatchcase(n, x) and fnmatch.fnmatchcase(n, y) for n in names)
+        if brute:  # the sample set is finite: only "can meet" is decidable by sampling
+            assert globs_intersect(x, y), (x, y)
+
+
+def test_nic_overlap_is_and_across_attributes() -> None:
+    a = NicSelector(interface_names=["ens1f*"], pci_vendor_ids=["0x15b3"])
+    assert nic_overlap(a, NicSelector(interface_names=["ens1f1"])) is not None
+    assert nic_overlap(a, NicSelector(interface_names=["ens2f1"])) is None
+    assert nic_overlap(a, NicSelector(pci_vendor_ids=["15B3"])) is not None
+    assert nic_overlap(a, NicSelector(pci_vendor_ids=["0x8086"])) is None
+    # Different attributes only: cannot rule an overlap out.
+    assert nic_overlap(a, NicSelector(drivers=["mlx5_core"])) is not None
+
+
+def test_selector_matches() -> None:
+    sel = LabelSelector.model_validate(
+        {
+            "matchLabels": {"rdma": "yes"},
+            "matchExpressions": [
+                {"key": "zone", "operator": "In", "values": ["a"]},
+                {"key": "bad", "operator": "DoesNotExist"},
+            ],
+        }
+    )
+    assert selector_matches(sel, {"rdma": "yes", "zone": "a"})
+    assert not selector_matches(sel, {"rdma": "yes", "zone": "b"})
+    assert not selector_matches(sel, {"rdma": "yes", "zone": "a", "bad": ""})
+    assert selector_matches(LabelSelector(), {})
+
+
+def test_conflicts_need_shared_nodes_and_shared_nics() -> None:
+    nodes = {"n1": {"pool": "a"}, "n2": {"pool": "b"}}
+    x = network(
+        "x", nics={"interfaceNames": ["ens1*"]}, nodeSelector={"matchLabels": {"pool": "a"}}
+    )
+    y = network("y", nics={"interfaceNames": ["ens1f0"]})
+    z = network(
+        "z", nics={"interfaceNames": ["ens1f0"]}, nodeSelector={"matchLabels": {"pool": "b"}}
+    )
+    w = network("w", nics={"interfaceNames": ["eth9"]})
+    found = find_conflicts([x, y, z, w], nodes, {})
+    assert [(f.other, f.nodes) for f in found["x"]] == [("y", ("n1",))]
+    assert sorted(f.other for f in found["y"]) == ["x", "z"]
+    assert found["w"] == []
+    message = found["x"][0].message()
+    assert "'y'" in message and "n1" in message and "disjoint" in message
+
+
+def test_observed_conflict_from_reported_netdevs() -> None:
+    x = network("x", nics={"interfaceNames": ["ens1*"]})
+    y = network("y", nics={"interfaceNames": ["ens2*"]})
+    found = find_conflicts([x, y], {"n1": {}}, {"x": {"n1": ["ens1f0"]}, "y": {"n1": ["ens1f0"]}})
+    (conflict,) = found["x"]
+    assert conflict.observed and conflict.nodes == ("n1",)
+    assert "also configures" in conflict.message()
