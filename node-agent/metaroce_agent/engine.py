@@ -1,0 +1,254 @@
+"""Apply with verify and rollback; drift repair; revert. Side effects live here.
+
+The engine keeps a journal (`/run/metaroce/agent/<network>/journal.json`, through `Host`) of
+every step it applied with the snapshot taken before the agent first touched the knob.
+The journal outlives the agent process (a rollout restarts the agent but leaves the node
+configured), so a later process can verify, repair and, when the network is deleted
+with cleanupOnDelete, undo exactly what was done, restoring what was there before.
+
+- `apply(plan)`: steps in order; each is snapshotted (unless the journal already holds
+  its original snapshot), applied and read back. The first step that fails (apply raises
+  or the read-back differs) stops the pass: it and every step before it are undone in
+  reverse order, the journal is cleared of them, and the result names the failed step
+  and why. Journal entries whose step is no longer planned (a knob the new config drops)
+  are undone first.
+- `drift(plan)`: reads every journaled step back; re-applies what differs and counts it.
+- `revert()`: undoes the whole journal in reverse; entries that fail stay journaled.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from metaroce_agent.host import Host
+from metaroce_agent.plan import Plan
+from metaroce_agent.steps import Json, Step, StepError, step_from_record
+
+log = logging.getLogger("metaroce.agent.engine")
+
+STATE_DIR = "/run/metaroce/agent"
+
+
+@dataclass
+class JournalEntry:
+    step: Step
+    snapshot: Json
+
+    def to_json(self) -> dict[str, Json]:
+        return {**self.step.record(), "id": self.step.id, "snapshot": self.snapshot}
+
+
+class Journal:
+    """What the agent applied on this node for one network, with original snapshots."""
+
+    def __init__(self, host: Host, network: str, state_dir: str = STATE_DIR) -> None:
+        self.host = host
+        self.path = f"{state_dir}/{network}/journal.json"
+        self.entries: dict[str, JournalEntry] = {}
+        self.load()
+
+    def load(self) -> None:
+        text = self.host.read_opt(self.path)
+        self.entries = {}
+        if not text:
+            return
+        try:
+            data = json.loads(text)
+            for raw in data.get("entries", []):
+                step = step_from_record(raw)
+                self.entries[step.id] = JournalEntry(step, raw.get("snapshot"))
+        except (ValueError, TypeError, StepError) as e:
+            log.error("journal %s is unreadable (%s): starting a new one", self.path, e)
+            self.entries = {}
+
+    def save(self) -> None:
+        body = {"version": 1, "entries": [e.to_json() for e in self.entries.values()]}
+        self.host.write_atomic(self.path, json.dumps(body, indent=1, sort_keys=True))
+
+    def put(self, step: Step, snapshot: Json) -> None:
+        self.entries[step.id] = JournalEntry(step, snapshot)
+        self.save()
+
+    def drop(self, step_id: str) -> None:
+        if self.entries.pop(step_id, None) is not None:
+            self.save()
+
+    def __contains__(self, step_id: object) -> bool:
+        return step_id in self.entries
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+@dataclass
+class ApplyResult:
+    ok: bool
+    applied: list[Step] = field(default_factory=list)
+    failed_step: Step | None = None
+    error: str = ""
+    rolled_back: list[str] = field(default_factory=list)
+    undo_errors: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    changed: int = 0
+    """Steps that were actually applied (not already in the desired state)."""
+
+
+@dataclass
+class DriftResult:
+    checked: int = 0
+    repaired: list[tuple[Step, str]] = field(default_factory=list)
+    errors: list[tuple[Step, str]] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+@dataclass
+class RevertResult:
+    undone: list[str] = field(default_factory=list)
+    errors: list[tuple[str, str]] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+class Engine:
+    def __init__(self, host: Host, journal: Journal) -> None:
+        self.host = host
+        self.journal = journal
+
+    # --- apply ---------------------------------------------------------------------------
+    def apply(self, plan: Plan) -> ApplyResult:
+        start = time.monotonic()
+        if not plan.ok:
+            return ApplyResult(
+                ok=False,
+                error="; ".join(f"{e.where}: {e.message}" for e in plan.errors),
+                seconds=time.monotonic() - start,
+            )
+        planned = {s.id for s in plan.steps}
+        stale = [e for sid, e in self.journal.entries.items() if sid not in planned]
+        for entry in reversed(stale):
+            log.info("undo %s: no longer planned", entry.step.name)
+            try:
+                entry.step.undo(self.host, entry.snapshot)
+                self.journal.drop(entry.step.id)
+            except Exception as e:
+                log.error("undo %s failed: %s", entry.step.name, e)
+
+        done: list[Step] = []
+        changed = 0
+        total = len(plan.steps)
+        for i, step in enumerate(plan.steps, 1):
+            try:
+                prior = self.journal.entries.get(step.id)
+                if prior is not None and prior.step == step and step.verify(self.host) is None:
+                    done.append(step)
+                    continue
+                snapshot = prior.snapshot if prior is not None else step.snapshot(self.host)
+                self.journal.put(step, snapshot)
+                log.info("[%d/%d] apply %s = %s", i, total, step.name, step.value())
+                step.apply(self.host)
+                problem = step.verify(self.host)
+                if problem is not None:
+                    raise StepError(f"read back after apply: {problem}")
+                done.append(step)
+                changed += 1
+            except Exception as e:
+                error = str(e) or type(e).__name__
+                log.error(
+                    "apply %s failed: %s; rolling back %d step(s)", step.name, error, len(done)
+                )
+                rolled, undo_errors = self._rollback([*done, step])
+                return ApplyResult(
+                    ok=False,
+                    applied=[],
+                    failed_step=step,
+                    error=error,
+                    rolled_back=rolled,
+                    undo_errors=undo_errors,
+                    seconds=time.monotonic() - start,
+                    changed=changed,
+                )
+        seconds = time.monotonic() - start
+        log.info("apply: %d steps in %.2f s (%d changed)", total, seconds, changed)
+        return ApplyResult(ok=True, applied=done, seconds=seconds, changed=changed)
+
+    def _rollback(self, steps: list[Step]) -> tuple[list[str], list[str]]:
+        rolled: list[str] = []
+        errors: list[str] = []
+        for step in reversed(steps):
+            entry = self.journal.entries.get(step.id)
+            if entry is None:
+                continue
+            try:
+                step.undo(self.host, entry.snapshot)
+                rolled.append(step.name)
+                self.journal.drop(step.id)
+            except Exception as e:
+                errors.append(f"undo {step.name}: {e}")
+                log.error("rollback of %s failed: %s", step.name, e)
+        return rolled, errors
+
+    # --- drift ---------------------------------------------------------------------------
+    def drift(self, plan: Plan) -> DriftResult:
+        """Read back every step of `plan` the journal holds; re-apply what changed."""
+        start = time.monotonic()
+        result = DriftResult()
+        for step in plan.steps:
+            if step.id not in self.journal:
+                continue
+            result.checked += 1
+            try:
+                problem = step.verify(self.host)
+            except Exception as e:
+                problem = f"cannot read back: {e}"
+            if problem is None:
+                continue
+            log.warning("drift on %s: %s; re-applying", step.name, problem)
+            try:
+                step.apply(self.host)
+                after = step.verify(self.host)
+                if after is not None:
+                    raise StepError(after)
+                result.repaired.append((step, problem))
+            except Exception as e:
+                result.errors.append((step, f"{problem}; repair failed: {e}"))
+                log.error("repair of %s failed: %s", step.name, e)
+        result.seconds = time.monotonic() - start
+        return result
+
+    # --- revert --------------------------------------------------------------------------
+    def revert(self) -> RevertResult:
+        start = time.monotonic()
+        result = RevertResult()
+        entries = list(self.journal.entries.values())
+        log.info("revert: undoing %d step(s)", len(entries))
+        for entry in reversed(entries):
+            try:
+                entry.step.undo(self.host, entry.snapshot)
+                result.undone.append(entry.step.name)
+                self.journal.drop(entry.step.id)
+            except Exception as e:
+                result.errors.append((entry.step.name, str(e)))
+                log.error("revert %s failed: %s", entry.step.name, e)
+        result.seconds = time.monotonic() - start
+        return result
+
+    def verify_all(self, plan: Plan) -> dict[str, str | None]:
+        """`{step name: problem or None}` for every planned step (doctor, tests)."""
+        out: dict[str, str | None] = {}
+        for step in plan.steps:
+            try:
+                out[step.name] = step.verify(self.host)
+            except Exception as e:
+                out[step.name] = f"cannot read back: {e}"
+        return out
+
+
+def journal_summary(journal: Journal) -> list[dict[str, Any]]:
+    return [e.to_json() for e in journal.entries.values()]

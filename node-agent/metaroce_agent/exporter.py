@@ -1,0 +1,235 @@
+"""Prometheus exporter: every RDMA port counter and `hw_counters` entry, and the agent's own.
+
+On each scrape the collector reads `/sys/class/infiniband/<dev>/ports/<n>/counters/*`
+(IB port counters; mlx5 has them, rxe does not), `.../ports/<n>/hw_counters/*` (driver
+counters: mlx5's np_cnp_sent, rxe's sent_pkts, ...) and the device-level `hw_counters/`,
+whatever names exist, as `metaroce_rdma_port_<name>_total` and
+`metaroce_rdma_hw_<name>_total` labelled by device, port, netdev and network. Missing
+directories and unreadable or non-numeric files are skipped; a scrape never fails on
+them. The agent's metrics (apply duration, drift repairs, errors, probe latency and
+loss) live in the same registry.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from metaroce_agent.host import Host
+
+log = logging.getLogger("metaroce.agent.exporter")
+
+NOT_COUNTERS = {"lifespan"}
+"""hw_counters entries that are settings, not counters (rxe and mlx5: the refresh period)."""
+_NAME_RE = re.compile(r"[^a-zA-Z0-9_]")
+LABELS = ["device", "port", "netdev", "network"]
+
+
+def metric_name(prefix: str, counter: str) -> str:
+    name = _NAME_RE.sub("_", counter).strip("_").lower()
+    return f"{prefix}_{name}"
+
+
+class RdmaCounterCollector(Collector):
+    """Reads the counters of the network's RDMA devices at scrape time."""
+
+    def __init__(
+        self,
+        host: Host,
+        network: str,
+        devices: Callable[[], list[tuple[str, str | None]]] | None = None,
+    ) -> None:
+        """`devices()` returns (rdma device, netdev) pairs to export; None = every device."""
+        self.host = host
+        self.network = network
+        self.devices = devices
+        self._names: dict[tuple[str, str], str] = {}
+
+    def _targets(self) -> list[tuple[str, str]]:
+        if self.devices is not None:
+            return [(d, n or "") for d, n in self.devices()]
+        out = []
+        for dev in self.host.listdir("/sys/class/infiniband"):
+            netdev = self.host.read_opt(f"/sys/class/infiniband/{dev}/parent")
+            if netdev is None:
+                nets = self.host.listdir(f"/sys/class/infiniband/{dev}/device/net")
+                netdev = nets[0] if nets else ""
+            out.append((dev, netdev))
+        return out
+
+    def _read(self) -> list[tuple[str, str, str, str, dict[str, str]]]:
+        """(prefix, device, port, netdev, {counter: text}) for every counter directory."""
+        out = []
+        for dev, netdev in self._targets():
+            base = f"/sys/class/infiniband/{dev}"
+            for port in self.host.listdir(f"{base}/ports"):
+                for prefix, sub in (
+                    ("metaroce_rdma_port", "counters"),
+                    ("metaroce_rdma_hw", "hw_counters"),
+                ):
+                    values = self.host.read_dir_values(f"{base}/ports/{port}/{sub}")
+                    if values:
+                        out.append((prefix, dev, port, netdev, values))
+            values = self.host.read_dir_values(f"{base}/hw_counters")
+            if values:
+                out.append(("metaroce_rdma_hw", dev, "", netdev, values))
+        return out
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, CounterMetricFamily] = {}
+        for prefix, dev, port, netdev, values in self._read():
+            labels = [dev, port, netdev, self.network]
+            for counter, text in values.items():
+                if counter in NOT_COUNTERS or not text.isdigit():
+                    continue
+                name = metric_name(prefix, counter)
+                fam = families.get(name)
+                if fam is None:
+                    doc = "RDMA port counter" if prefix.endswith("port") else "RDMA driver counter"
+                    fam = families[name] = CounterMetricFamily(
+                        name, f"{doc} {counter}", labels=LABELS
+                    )
+                fam.add_metric(labels, float(text))
+        yield from families.values()
+
+    def render(self) -> str:
+        """The counters in the Prometheus text format, rendered directly.
+
+        Same metrics as `collect()`, without prometheus_client's per-sample formatting
+        and validation (which costs more than reading the files on an 8-NIC node).
+        """
+        groups: dict[str, list[str]] = {}
+        names = self._names
+        for prefix, dev, port, netdev, values in self._read():
+            lbl = f'{{device="{dev}",netdev="{netdev}",network="{self.network}",port="{port}"}}'
+            for counter, text in values.items():
+                if not text.isdigit() or counter in NOT_COUNTERS:
+                    continue
+                key = (prefix, counter)
+                name = names.get(key)
+                if name is None:
+                    name = names[key] = metric_name(prefix, counter) + "_total"
+                lines = groups.get(name)
+                if lines is None:
+                    doc = "RDMA port counter" if prefix.endswith("port") else "RDMA driver counter"
+                    lines = groups[name] = [
+                        f"# HELP {name} {doc} {counter}\n# TYPE {name} counter\n"
+                    ]
+                lines.append(f"{name}{lbl} {text}\n")
+        return "".join(line for lines in groups.values() for line in lines)
+
+
+class AgentMetrics:
+    """The agent's own metrics, in one registry with the RDMA counters."""
+
+    def __init__(self, network: str, node: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.network = network
+        self.info = Gauge(
+            "metaroce_agent_info", "Agent version and placement (always 1)",
+            ["version", "network", "node"], registry=r,
+        )  # fmt: skip
+        self.ready = Gauge("metaroce_agent_ready", "1 when the node is Ready", registry=r)
+        self.apply_seconds = Histogram(
+            "metaroce_agent_apply_duration_seconds", "Duration of apply passes",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=r,
+        )  # fmt: skip
+        self.applies = Counter(
+            "metaroce_agent_apply", "Apply passes by result", ["result"], registry=r
+        )
+        self.drift_repairs = Counter(
+            "metaroce_agent_drift_repairs", "Knobs re-applied after someone changed them",
+            ["knob"], registry=r,
+        )  # fmt: skip
+        self.drift_seconds = Gauge(
+            "metaroce_agent_drift_check_seconds", "Duration of the last drift pass", registry=r
+        )
+        self.errors = Counter("metaroce_agent_errors", "Errors by step", ["step"], registry=r)
+        self.knobs_applied = Gauge(
+            "metaroce_agent_knobs_applied", "Knobs applied and read back", registry=r
+        )
+        self.knobs_skipped = Gauge(
+            "metaroce_agent_knobs_skipped", "Knobs the node cannot set", registry=r
+        )
+        self.probe_latency = Gauge(
+            "metaroce_probe_latency_microseconds", "RC round-trip latency to a peer",
+            ["peer", "quantile"], registry=r,
+        )  # fmt: skip
+        self.probe_rtt = Histogram(
+            "metaroce_probe_rtt_microseconds", "RC round trips to peers",
+            buckets=(10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 50000), registry=r,
+        )  # fmt: skip
+        self.probe_loss = Gauge(
+            "metaroce_probe_loss_ratio", "UD probe loss to a peer", ["peer"], registry=r
+        )
+        self.probe_rounds = Counter(
+            "metaroce_probe_rounds", "Probe rounds by peer and result", ["peer", "result"],
+            registry=r,
+        )  # fmt: skip
+        self.info.labels(version=_version(), network=network, node=node).set(1)
+
+    def add_rdma_collector(self, collector: RdmaCounterCollector) -> None:
+        """Serve `collector`'s counters next to the registry (rendered by the collector)."""
+        self.rdma = collector
+
+    def render(self) -> bytes:
+        """The whole /metrics body: the agent's registry, then the RDMA counters."""
+        from prometheus_client import generate_latest
+
+        body = generate_latest(self.registry)
+        rdma = getattr(self, "rdma", None)
+        return body + rdma.render().encode() if rdma is not None else body
+
+
+def _version() -> str:
+    from metaroce_agent import __version__
+
+    return __version__
+
+
+class MetricsServer:
+    """The HTTP endpoint: GET /metrics (a small threaded stdlib server)."""
+
+    def __init__(self, metrics: AgentMetrics, address: str, port: int) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if self.path.split("?")[0] not in ("/metrics", "/"):
+                    self.send_error(404, "try /metrics")
+                    return
+                try:
+                    body = metrics.render()
+                except Exception as e:  # a scrape must not kill the server
+                    log.error("metrics scrape failed: %s", e)
+                    self.send_error(500, str(e))
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                return
+
+        self.server = ThreadingHTTPServer((address, port), Handler)
+        self.server.daemon_threads = True
+        self.port = int(self.server.server_address[1])
+        self.thread = threading.Thread(
+            target=self.server.serve_forever, name="metrics", daemon=True
+        )
+        self.thread.start()
+        log.info("metrics on http://%s:%d/metrics", address, self.port)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

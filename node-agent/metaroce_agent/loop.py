@@ -1,0 +1,441 @@
+"""The agent's main loop: discover -> plan -> apply -> verify -> report -> serve.
+
+- At start and whenever the config file changes: a full pass (discover, probe the
+  node's capabilities, plan, apply with rollback, discover again, report).
+- Every `driftInterval`: discover again, read every applied knob back and re-apply what
+  someone changed (counted in `driftCorrections` and metrics); report if anything changed.
+- A watch on the network object: when it is being deleted and `cleanupOnDelete` is set,
+  revert everything the agent created and report `reverted: true`, then stay idle.
+- SIGTERM (a rollout, an eviction, a node shutdown) stops the loop and leaves the node
+  as it is: running jobs depend on it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from metaroce_agent.capabilities import Capabilities, probe_capabilities
+from metaroce_agent.discover import Inventory, discover
+from metaroce_agent.engine import ApplyResult, Engine, Journal
+from metaroce_agent.exporter import AgentMetrics, MetricsServer, RdmaCounterCollector
+from metaroce_agent.host import Host
+from metaroce_agent.kube import KubeClient, KubeError, cluster_path
+from metaroce_agent.plan import Plan, make_plan, select_netdevs
+from metaroce_agent.report import ErrorLog, NodeStateWriter, build_status, now
+from metaroce_api import AgentConfig, MetaRoceNodeStateStatus, ProbeSummary, constants
+from metaroce_api.base import parse_duration
+
+log = logging.getLogger("metaroce.agent.loop")
+
+
+@dataclass
+class AgentOptions:
+    config_path: Path
+    node_name: str
+    root: Path = Path("/")
+    kubeconfig: str | None = None
+    report: bool = True
+    metrics_address: str = "0.0.0.0"
+    metrics_port: int | None = 9478
+    """None = no metrics server; 0 = any free port."""
+    state_dir: str = "/run/metaroce/agent"
+    skip_knobs: frozenset[str] = frozenset()
+    require_pyverbs: bool = False
+    probe: bool | None = None
+    """None = as the config says (probe.enabled)."""
+    probe_port: int = 47911
+    watch: bool = True
+
+
+def load_config(path: Path) -> AgentConfig:
+    """The agent config, with errors that name the field, the value and the fix."""
+    from pydantic import ValidationError
+
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(
+            f"agent config {path}: cannot read it ({e.strerror}): pass --config with the "
+            f"path of the mounted ConfigMap key {constants.AGENT_CONFIG_KEY}"
+        ) from e
+    try:
+        return AgentConfig.from_yaml(text)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+            value = err.get("input")
+            shown = repr(value) if not isinstance(value, dict) else "{...}"
+            lines.append(f"  field {where}: value {shown[:80]}: {err['msg']}")
+        raise ConfigError(
+            f"agent config {path} is invalid:\n"
+            + "\n".join(lines)
+            + "\nfix the MetaRoceNetwork spec (the operator renders this file), or the file"
+        ) from e
+    except Exception as e:  # YAML syntax
+        raise ConfigError(f"agent config {path} is not valid YAML: {e}") from e
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class AgentState:
+    config: AgentConfig
+    inventory: Inventory = field(default_factory=Inventory)
+    caps: Capabilities = field(default_factory=Capabilities)
+    plan: Plan | None = None
+    result: ApplyResult | None = None
+    errors: ErrorLog = field(default_factory=ErrorLog)
+    drift_corrections: int = 0
+    probe: ProbeSummary | None = None
+    reverted: bool = False
+    last_applied: datetime | None = None
+    status: MetaRoceNodeStateStatus | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    """Seconds of each part of the last apply pass (discover, capabilities, plan, apply,
+    rediscover, report, total): the benchmarks read them."""
+
+
+class Agent:
+    def __init__(
+        self,
+        options: AgentOptions,
+        *,
+        host: Host | None = None,
+        kube: KubeClient | None = None,
+    ) -> None:
+        self.options = options
+        self.host = host or Host(options.root)
+        self.config = load_config(options.config_path)
+        self._config_mtime = self._mtime()
+        self.state = AgentState(self.config)
+        self.metrics = AgentMetrics(self.config.network, options.node_name)
+        self.collector = RdmaCounterCollector(
+            self.host, self.config.network, devices=self._served_devices
+        )
+        self.metrics.add_rdma_collector(self.collector)
+        self.kube = kube
+        if self.kube is None and options.report:
+            self.kube = KubeClient.load(options.kubeconfig)
+        self.writer = (
+            NodeStateWriter(self.kube, self.config.network, options.node_name)
+            if self.kube is not None and options.report
+            else None
+        )
+        self.engine = Engine(self.host, Journal(self.host, self.config.network, options.state_dir))
+        self.server: MetricsServer | None = None
+        self.wake = threading.Event()
+        self.stop_event = threading.Event()
+        self.deleting = threading.Event()
+        self.cleanup_on_delete = self.config.cleanup_on_delete
+        self.prober: Any = None
+        self._lock = threading.Lock()
+        self._seen: tuple[Any, ...] = ()
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Import pyverbs and pyroute2 now (start-up), not inside the first apply pass."""
+        from metaroce_agent.discover import verbs_backend
+
+        verbs_backend(self.host, require_pyverbs=self.options.require_pyverbs)
+        if self.host.is_real:
+            import pyroute2  # noqa: F401
+
+    # --- helpers -------------------------------------------------------------------------
+    def _mtime(self) -> float:
+        try:
+            return self.options.config_path.stat().st_mtime
+        except OSError:
+            return 0.0
+
+    def _served_devices(self) -> list[tuple[str, str | None]]:
+        plan = self.state.plan
+        if plan is None:
+            return []
+        return sorted({(d.rdma_device, d.netdev) for d in plan.devices})
+
+    @property
+    def drift_seconds(self) -> float:
+        return max(parse_duration(self.config.drift_interval).total_seconds(), 1.0)
+
+    # --- passes --------------------------------------------------------------------------
+    def discover(self) -> Inventory:
+        inv = discover(self.host, require_pyverbs=self.options.require_pyverbs)
+        self.state.inventory = inv
+        self._seen = self._fingerprint()
+        return inv
+
+    def _fingerprint(self) -> tuple[Any, ...]:
+        """What a drift pass checks before paying for a full discovery: RDMA devices, port
+        states, and the selected netdevs' state, MTU and addresses."""
+        h = self.host
+        devs = tuple(h.listdir("/sys/class/infiniband"))
+        ports = tuple(
+            h.read_opt(f"/sys/class/infiniband/{d}/ports/{p}/state")
+            for d in devs
+            for p in h.listdir(f"/sys/class/infiniband/{d}/ports")
+        )
+        plan = self.state.plan
+        nets = tuple(
+            (
+                h.read_opt(f"/sys/class/net/{n}/operstate"),
+                h.read_opt(f"/sys/class/net/{n}/mtu"),
+                tuple(h.netlink.ipv4_addresses(n)),
+            )
+            for n in (plan.netdevs if plan else ())
+        )
+        return devs, ports, nets
+
+    def apply_pass(self) -> ApplyResult:
+        """Discover, plan, apply (with rollback), rediscover, report."""
+        with self._lock:
+            st = self.state
+            st.config = self.config
+            t = {"start": time.monotonic()}
+            log.info(
+                "apply pass for network %s generation %d",
+                self.config.network,
+                self.config.generation,
+            )
+            inv = self.discover()
+            t["discover"] = time.monotonic()
+            netdevs = [n.name for n in select_netdevs(self.config, inv)]
+            st.caps = probe_capabilities(self.host, inv, netdevs)
+            t["capabilities"] = time.monotonic()
+            st.plan = make_plan(self.config, inv, st.caps, skip_knobs=self.options.skip_knobs)
+            t["plan"] = time.monotonic()
+            for note in st.plan.notes:
+                log.info("plan: %s", note)
+            for skip in st.plan.skipped:
+                log.warning("skipped %s on %s: %s", skip.knob, skip.device or "node", skip.reason)
+            with self.metrics.apply_seconds.time():
+                result = self.engine.apply(st.plan)
+            t["apply"] = time.monotonic()
+            st.result = result
+            self.metrics.applies.labels(result="ok" if result.ok else "failed").inc()
+            errors: list[tuple[str, str]] = []
+            if not st.plan.ok:
+                errors += [(e.where, e.message) for e in st.plan.errors]
+            elif not result.ok:
+                where = f"apply {result.failed_step.name}" if result.failed_step else "apply"
+                rolled = ", ".join(result.rolled_back) or "nothing"
+                errors.append((where, f"{result.error}; rolled back: {rolled}"))
+                errors += [("rollback", e) for e in result.undo_errors]
+            errors += [(p.where, p.message) for p in st.plan.problems]
+            for step, _ in errors:
+                self.metrics.errors.labels(step=step[:64]).inc()
+            st.errors.set(errors)
+            if result.ok and (result.changed or st.last_applied is None):
+                st.last_applied = now()
+            if result.ok:
+                self.discover()  # rxe devices and GIDs that now exist
+            t["rediscover"] = time.monotonic()
+            self.metrics.knobs_applied.set(len([s for s in result.applied if s.report]))
+            self.metrics.knobs_skipped.set(len(st.plan.skipped))
+            self.report()
+            t["report"] = time.monotonic()
+            order = ["start", "discover", "capabilities", "plan", "apply", "rediscover", "report"]
+            st.timings = {k: t[k] - t[prev] for prev, k in itertools.pairwise(order)}
+            st.timings["total"] = t["report"] - t["start"]
+            return result
+
+    def drift_pass(self) -> None:
+        with self._lock:
+            st = self.state
+            if st.plan is None or st.reverted or not (st.result and st.result.ok):
+                return
+            if self._fingerprint() != self._seen:
+                log.info("devices, ports or addresses changed: discovering again")
+                self.discover()
+            drift = self.engine.drift(st.plan)
+            self.metrics.drift_seconds.set(drift.seconds)
+            for step, _ in drift.repaired:
+                self.metrics.drift_repairs.labels(knob=step.knob).inc()
+            st.drift_corrections += len(drift.repaired)
+            errors = [(e.where, e.message) for e in st.plan.problems]
+            errors += [(f"repair {s.name}", msg) for s, msg in drift.errors]
+            st.errors.set(errors)
+            if drift.repaired:
+                st.last_applied = now()
+                log.info(
+                    "drift pass: repaired %s",
+                    ", ".join(f"{s.name} ({why})" for s, why in drift.repaired),
+                )
+            self.report()
+
+    def revert(self) -> None:
+        with self._lock:
+            st = self.state
+            log.warning(
+                "network %s is being deleted with cleanupOnDelete: reverting", self.config.network
+            )
+            st.status = self._status(reverting=True)
+            self._write(st.status)
+            result = self.engine.revert()
+            st.errors.set([(f"revert {name}", msg) for name, msg in result.errors])
+            st.reverted = result.ok
+            if result.ok:
+                log.info("reverted %d step(s) in %.2f s", len(result.undone), result.seconds)
+            self.discover()
+            self.report()
+
+    # --- reporting -----------------------------------------------------------------------
+    def _status(self, *, reverting: bool = False) -> MetaRoceNodeStateStatus:
+        st = self.state
+        return build_status(
+            config=self.config,
+            inventory=st.inventory,
+            plan=st.plan,
+            result=st.result,
+            errors=st.errors,
+            drift_corrections=st.drift_corrections,
+            probe=st.probe,
+            reverted=st.reverted,
+            reverting=reverting,
+            previous=st.status,
+            last_applied=st.last_applied,
+        )
+
+    def report(self) -> None:
+        status = self._status()
+        self.state.status = status
+        self.metrics.ready.set(1 if status.phase == "Ready" else 0)
+        self._write(status)
+
+    def _write(self, status: MetaRoceNodeStateStatus) -> None:
+        if self.writer is None:
+            return
+        try:
+            self.writer.write(status)
+        except KubeError as e:
+            log.error("cannot write NodeState %s: %s (retrying next pass)", self.writer.name, e)
+            self.writer._ensured = False
+
+    def set_probe(self, summary: ProbeSummary | None) -> None:
+        """Called by the prober: a summary that changes only with the verdict."""
+        with self._lock:
+            self.state.probe = summary
+            if not self.state.reverted:
+                self.report()
+
+    # --- the network watch ---------------------------------------------------------------
+    def _network_path(self) -> str:
+        return cluster_path(constants.GROUP, constants.VERSION, constants.NETWORK_PLURAL)
+
+    def _check_network(self, obj: dict[str, Any] | None) -> None:
+        if obj is None:
+            return
+        spec = obj.get("spec") or {}
+        if "cleanupOnDelete" in spec:
+            self.cleanup_on_delete = bool(spec["cleanupOnDelete"])
+        if (obj.get("metadata") or {}).get("deletionTimestamp"):
+            log.info("network %s has a deletionTimestamp", self.config.network)
+            self.deleting.set()
+            self.wake.set()
+
+    def watch_network(self) -> None:
+        """Thread: follow the network object; flag its deletion."""
+        assert self.kube is not None
+        base = self._network_path()
+        name = self.config.network
+        while not self.stop_event.is_set() and not self.deleting.is_set():
+            try:
+                obj = self.kube.get(f"{base}/{name}")
+                if obj is None:  # gone (a finalizer normally holds it until agents revert)
+                    log.warning("network %s does not exist (any more)", name)
+                    self._check_network({"metadata": {"deletionTimestamp": "gone"}})
+                    return
+                self._check_network(obj)
+                rv = ((obj or {}).get("metadata") or {}).get("resourceVersion", "")
+                params = {"fieldSelector": f"metadata.name={name}", "timeoutSeconds": "300"}
+                if rv:
+                    params["resourceVersion"] = rv
+                started = time.monotonic()
+                for event in self.kube.watch(base, params):
+                    if event.get("type") in ("ADDED", "MODIFIED"):
+                        self._check_network(event.get("object"))
+                    elif event.get("type") == "DELETED":
+                        self._check_network({"metadata": {"deletionTimestamp": "gone"}})
+                    if self.deleting.is_set() or self.stop_event.is_set():
+                        return
+                if time.monotonic() - started < 1:  # a watch that ends at once: no busy loop
+                    self.stop_event.wait(1)
+            except KubeError as e:
+                log.warning("watch of network %s: %s; retrying in 5 s", name, e)
+                self.stop_event.wait(5)
+
+    # --- run -----------------------------------------------------------------------------
+    def serve_metrics(self) -> None:
+        if self.options.metrics_port is not None and self.server is None:
+            self.server = MetricsServer(
+                self.metrics, self.options.metrics_address, self.options.metrics_port
+            )
+
+    def run(self) -> int:
+        self.serve_metrics()
+        self.apply_pass()
+        if self.writer is not None and self.options.watch:
+            threading.Thread(target=self.watch_network, name="network-watch", daemon=True).start()
+        if self.prober is not None:
+            self.prober.start()
+        next_drift = time.monotonic() + self.drift_seconds
+        while not self.stop_event.is_set():
+            timeout = max(0.0, min(next_drift - time.monotonic(), 5.0))
+            self.wake.wait(timeout)
+            self.wake.clear()
+            if self.stop_event.is_set():
+                break
+            if self.deleting.is_set() and not self.state.reverted:
+                if self.cleanup_on_delete:
+                    self.revert()
+                else:
+                    log.info("network deleted without cleanupOnDelete: leaving the node as it is")
+                    self.deleting.clear()
+                continue
+            if self.state.reverted:
+                continue  # idle until the DaemonSet goes away
+            if self._mtime() != self._config_mtime:
+                self._reload()
+                next_drift = time.monotonic() + self.drift_seconds
+                continue
+            if time.monotonic() >= next_drift:
+                self.drift_pass()
+                next_drift = time.monotonic() + self.drift_seconds
+        log.info("stopping: the node keeps its settings (only cleanupOnDelete reverts them)")
+        if self.prober is not None:
+            self.prober.stop()
+        if self.server is not None:
+            self.server.close()
+        return 0
+
+    def _reload(self) -> None:
+        self._config_mtime = self._mtime()
+        try:
+            config = load_config(self.options.config_path)
+        except ConfigError as e:
+            log.error("%s; keeping the previous config", e)
+            return
+        if config.network != self.config.network:
+            log.error(
+                "config now names network %s, this agent serves %s: ignoring it",
+                config.network,
+                self.config.network,
+            )
+            return
+        log.info("config changed (generation %d): new apply pass", config.generation)
+        self.config = config
+        self.cleanup_on_delete = config.cleanup_on_delete
+        self.apply_pass()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.wake.set()

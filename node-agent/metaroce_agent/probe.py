@@ -1,0 +1,592 @@
+"""RDMA probe: reachability and latency over RC, loss over UD, to a few peers.
+
+Peers find each other through their NodeStates: each agent publishes the address of a
+small TCP side channel (`<ip>:<port>` on the RDMA netdev) in the annotation
+`metaroce.io/probe-endpoint`, and probes the next `peersPerNode` nodes after itself in
+name order (a ring, so every node is probed by as many as it probes). A probe session:
+
+1. TCP connect; both sides create a PD, CQs, an MR, one RC and one UD queue pair on the
+   network's RDMA device and exchange GID, QP numbers and PSNs as JSON lines;
+2. RC: the client sends small messages, the server echoes each: round-trip times give
+   reachability and latency percentiles (RC retransmits, so it hides loss);
+3. UD: the client sends a burst of datagrams, the server counts what arrived; the
+   count over TCP gives the loss fraction (UD does not retransmit);
+4. both sides destroy the queue pairs. Idle, the server only blocks in `accept()`.
+
+Latencies and loss go to metrics every round; the NodeState's probe summary is replaced
+only when the verdict (healthy, and each peer's pass/fail) changes. The operator, not
+the agent, decides taints from these summaries. Needs pyverbs (guests, agent image).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import random
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from metaroce_agent.kube import KubeClient, KubeError, cluster_path
+from metaroce_agent.report import PROBE_ENDPOINT_ANNOTATION, now
+from metaroce_api import ProbePeer, ProbeSummary, constants
+from metaroce_api.base import parse_duration
+
+log = logging.getLogger("metaroce.agent.probe")
+
+QKEY = 0x4D52
+MSG = 64
+RC_PINGS = 20
+UD_BURST = 50
+PING_TIMEOUT = 1.0
+SPIN = 0.0002
+"""Busy-poll a CQ this long after the last activity, then poll every NAP: a probe must not
+take a CPU away from the jobs (rxe itself runs on the node's CPUs)."""
+NAP = 0.001
+
+
+@dataclass(frozen=True)
+class Local:
+    device: str
+    port: int
+    gid_index: int
+    tos: int
+
+
+@dataclass(frozen=True)
+class PeerResult:
+    node: str
+    reachable: bool
+    rtts_us: tuple[float, ...] = ()
+    loss: float | None = None
+    message: str = ""
+
+    def percentile(self, q: float) -> float | None:
+        if not self.rtts_us:
+            return None
+        data = sorted(self.rtts_us)
+        k = min(len(data) - 1, max(0, round(q * (len(data) - 1))))
+        return data[k]
+
+
+class Endpoint:
+    """Verbs resources of one probe session (RC + UD queue pairs)."""
+
+    def __init__(self, local: Local) -> None:
+        import pyverbs.enums as e
+        from pyverbs.cq import CQ
+        from pyverbs.device import Context
+        from pyverbs.mr import MR
+        from pyverbs.pd import PD
+        from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
+
+        self.e = e
+        self.local = local
+        self.ctx: Any = Context(name=local.device)
+        self.pd: Any = PD(self.ctx)
+        self.rc_cq: Any = CQ(self.ctx, 256, None, None, 0)
+        self.ud_cq: Any = CQ(self.ctx, 512, None, None, 0)
+        self.mr: Any = MR(self.pd, 64 * 1024, e.IBV_ACCESS_LOCAL_WRITE)
+        cap = QPCap(max_send_wr=128, max_recv_wr=256, max_send_sge=1, max_recv_sge=1)
+        attr = QPAttr(port_num=local.port)
+        attr.qp_access_flags = e.IBV_ACCESS_LOCAL_WRITE
+        self.rc: Any = QP(
+            self.pd, QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self.rc_cq, rcq=self.rc_cq, cap=cap), attr
+        )
+        uattr = QPAttr(port_num=local.port)
+        uattr.qkey = QKEY
+        uattr.pkey_index = 0
+        self.ud: Any = QP(
+            self.pd,
+            QPInitAttr(qp_type=e.IBV_QPT_UD, scq=self.ud_cq, rcq=self.ud_cq, cap=cap),
+            uattr,
+        )
+        self.gid = str(self.ctx.query_gid(local.port, local.gid_index))
+        self.psn = random.randrange(1 << 24)
+        self.ah: Any = None
+
+    def hello(self) -> dict[str, Any]:
+        return {
+            "gid": self.gid,
+            "rc_qpn": self.rc.qp_num,
+            "ud_qpn": self.ud.qp_num,
+            "psn": self.psn,
+        }
+
+    def _ah_attr(self, gid: str) -> Any:
+        from pyverbs.addr import GID, AHAttr, GlobalRoute
+
+        gr = GlobalRoute(
+            dgid=GID(gid),
+            sgid_index=self.local.gid_index,
+            hop_limit=64,
+            traffic_class=self.local.tos,
+        )
+        return AHAttr(gr=gr, is_global=1, port_num=self.local.port)
+
+    def connect(self, remote: dict[str, Any]) -> None:
+        from pyverbs.addr import AH
+        from pyverbs.qp import QPAttr
+
+        e = self.e
+        attr = QPAttr(port_num=self.local.port)
+        attr.qp_access_flags = e.IBV_ACCESS_LOCAL_WRITE
+        attr.path_mtu = e.IBV_MTU_1024
+        attr.dest_qp_num = int(remote["rc_qpn"])
+        attr.rq_psn = int(remote["psn"])
+        attr.max_dest_rd_atomic = 1
+        attr.min_rnr_timer = 12
+        attr.ah_attr = self._ah_attr(str(remote["gid"]))
+        self.rc.to_rtr(attr)
+        attr.timeout = 14
+        attr.retry_cnt = 7
+        attr.rnr_retry = 7
+        attr.sq_psn = self.psn
+        attr.max_rd_atomic = 1
+        self.rc.to_rts(attr)
+        self.ah = AH(self.pd, attr=self._ah_attr(str(remote["gid"])))
+        self.remote_ud = int(remote["ud_qpn"])
+
+    def _sge(self, offset: int, length: int) -> Any:
+        from pyverbs.wr import SGE
+
+        return SGE(self.mr.buf + offset, length, self.mr.lkey)
+
+    def post_rc_recv(self, n: int) -> None:
+        from pyverbs.wr import RecvWR
+
+        for _ in range(n):
+            self.rc.post_recv(RecvWR(wr_id=1, num_sge=1, sg=[self._sge(4096, MSG)]))
+
+    def post_ud_recv(self, n: int) -> None:
+        from pyverbs.wr import RecvWR
+
+        for _ in range(n):
+            self.ud.post_recv(RecvWR(wr_id=2, num_sge=1, sg=[self._sge(8192, MSG + 40)]))
+
+    def rc_send(self) -> None:
+        from pyverbs.wr import SendWR
+
+        self.rc.post_send(SendWR(opcode=self.e.IBV_WR_SEND, num_sge=1, sg=[self._sge(0, MSG)]))
+
+    def ud_send(self) -> None:
+        from pyverbs.wr import SendWR
+
+        wr = SendWR(opcode=self.e.IBV_WR_SEND, num_sge=1, sg=[self._sge(2048, MSG)])
+        wr.set_wr_ud(self.ah, self.remote_ud, QKEY)
+        self.ud.post_send(wr)
+
+    def poll(self, cq: Any, n: int = 16) -> list[tuple[int, int]]:
+        """(opcode, status) of up to n completions."""
+        npolled, wcs = cq.poll(n)
+        return [(int(w.opcode), int(w.status)) for w in (wcs or [])[:npolled]]
+
+    def close(self) -> None:
+        for obj in (self.ah, self.rc, self.ud, self.mr, self.rc_cq, self.ud_cq, self.pd, self.ctx):
+            try:
+                if obj is not None:
+                    obj.close()
+            except Exception:  # best effort: the process keeps running
+                pass
+
+
+def _send(sock: socket.socket, msg: dict[str, Any]) -> None:
+    sock.sendall((json.dumps(msg) + "\n").encode())
+
+
+def _recv(f: Any) -> dict[str, Any]:
+    line = f.readline()
+    if not line:
+        raise ConnectionError("peer closed the probe channel")
+    data = json.loads(line)
+    if not isinstance(data, dict):
+        raise ValueError("bad probe message")
+    return data
+
+
+# --- server ----------------------------------------------------------------------------------
+
+
+class ProbeServer:
+    """Answers probe sessions, one at a time, on the RDMA netdev's address."""
+
+    def __init__(self, address: str, port: int, local: Callable[[], Local | None]) -> None:
+        self.local = local
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((address, port))
+        self.sock.listen(16)
+        self.port = int(self.sock.getsockname()[1])
+        self._stop = threading.Event()
+        self.sessions = 0
+
+    def serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, peer = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                try:
+                    conn.settimeout(30)
+                    self._session(conn)
+                    self.sessions += 1
+                except Exception as e:
+                    log.info("probe session from %s ended: %s", peer[0], e)
+
+    def _session(self, conn: socket.socket) -> None:
+        f = conn.makefile("r")
+        hello = _recv(f)
+        local = self.local()
+        if local is None:
+            _send(conn, {"error": "no RDMA device ready on this node"})
+            return
+        ep = Endpoint(local)
+        try:
+            ep.post_rc_recv(128)
+            ep.post_ud_recv(min(UD_BURST * 2, 250))
+            ep.connect(hello)
+            _send(conn, {**ep.hello(), "node": socket.gethostname()})
+            received = 0
+            conn.setblocking(False)
+            buf = b""
+            last = time.perf_counter()
+            while True:
+                busy = False
+                for opcode, status in ep.poll(ep.rc_cq):
+                    busy = True
+                    if opcode == ep.e.IBV_WC_RECV and status == ep.e.IBV_WC_SUCCESS:
+                        ep.post_rc_recv(1)
+                        ep.rc_send()  # echo
+                for opcode, status in ep.poll(ep.ud_cq, 64):
+                    busy = True
+                    if opcode == ep.e.IBV_WC_RECV and status == ep.e.IBV_WC_SUCCESS:
+                        received += 1
+                now_ = time.perf_counter()
+                if busy:
+                    last = now_
+                wait = 0.0 if now_ - last < SPIN else NAP
+                r, _, _ = select.select([conn], [], [], wait)
+                if not r:
+                    continue
+                chunk = conn.recv(4096)
+                if not chunk:
+                    return
+                buf += chunk
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    msg = json.loads(line)
+                    if msg.get("op") == "count":
+                        for opcode, status in ep.poll(ep.ud_cq, 256):
+                            if opcode == ep.e.IBV_WC_RECV and status == ep.e.IBV_WC_SUCCESS:
+                                received += 1
+                        conn.setblocking(True)
+                        _send(conn, {"ud_received": received})
+                        conn.setblocking(False)
+                    elif msg.get("op") == "bye":
+                        return
+        finally:
+            ep.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+
+# --- client ----------------------------------------------------------------------------------
+
+
+def probe_peer(
+    node: str, address: str, port: int, local: Local, timeout: float = 20.0
+) -> PeerResult:
+    """One probe session against a peer."""
+    try:
+        conn = socket.create_connection((address, port), timeout=5)
+    except OSError as e:
+        return PeerResult(node, False, message=f"side channel {address}:{port} unreachable: {e}")
+    ep: Endpoint | None = None
+    with conn:
+        conn.settimeout(timeout)
+        f = conn.makefile("r")
+        try:
+            ep = Endpoint(local)
+            ep.post_rc_recv(RC_PINGS + 8)
+            _send(conn, {**ep.hello(), "node": node})
+            remote = _recv(f)
+            if "error" in remote:
+                return PeerResult(node, False, message=str(remote["error"]))
+            ep.connect(remote)
+            rtts = _rc_pings(ep)
+            if not rtts:
+                _send(conn, {"op": "bye"})
+                return PeerResult(node, False, message="no RC echo within 1 s")
+            sent = _ud_burst(ep)
+            time.sleep(0.2)
+            _send(conn, {"op": "count"})
+            got = int(_recv(f).get("ud_received", 0))
+            _send(conn, {"op": "bye"})
+            loss = max(0.0, 1.0 - got / sent) if sent else None
+            return PeerResult(node, True, tuple(rtts), loss)
+        except Exception as e:
+            return PeerResult(node, False, message=f"probe failed: {e}")
+        finally:
+            if ep is not None:
+                ep.close()
+
+
+def _rc_pings(ep: Endpoint) -> list[float]:
+    e = ep.e
+    rtts: list[float] = []
+    for _ in range(RC_PINGS):
+        t0 = time.perf_counter()
+        ep.rc_send()
+        got = False
+        while time.perf_counter() - t0 < PING_TIMEOUT:
+            done = ep.poll(ep.rc_cq)
+            if any(s != e.IBV_WC_SUCCESS for _, s in done):
+                return rtts
+            if any(op == e.IBV_WC_RECV for op, _ in done):
+                got = True
+                break
+            if time.perf_counter() - t0 > SPIN:
+                time.sleep(NAP)
+        if not got:
+            break
+        rtts.append((time.perf_counter() - t0) * 1e6)
+    return rtts
+
+
+def _ud_burst(ep: Endpoint) -> int:
+    e = ep.e
+    sent = outstanding = 0
+    deadline = time.monotonic() + 5
+    while sent < UD_BURST and time.monotonic() < deadline:
+        if outstanding < 32:
+            ep.ud_send()
+            sent += 1
+            outstanding += 1
+        done = ep.poll(ep.ud_cq, 64)
+        for _, status in done:
+            outstanding -= 1
+            if status != e.IBV_WC_SUCCESS:
+                return sent
+        if not done and outstanding >= 32:
+            time.sleep(NAP)
+    return sent
+
+
+# --- the agent's prober ----------------------------------------------------------------------
+
+
+def choose_peers(me: str, endpoints: dict[str, str], k: int) -> list[str]:
+    """The next k nodes after `me` in name order (a ring)."""
+    ring = sorted(set(endpoints) | {me})
+    i = ring.index(me)
+    others = [ring[(i + j) % len(ring)] for j in range(1, len(ring))]
+    return [n for n in others if n in endpoints][:k]
+
+
+def summarize(
+    results: list[PeerResult], max_latency_us: float, max_loss: float
+) -> tuple[ProbeSummary, tuple[Any, ...]]:
+    """The summary and its verdict key (what must change for the NodeState to change)."""
+    peers = []
+    verdicts = []
+    for r in results:
+        p99 = r.percentile(0.99)
+        ok = (
+            r.reachable
+            and (p99 is None or p99 <= max_latency_us)
+            and (r.loss is None or r.loss <= max_loss)
+        )
+        msg = r.message
+        if r.reachable and not ok:
+            shown = "?" if p99 is None else f"{p99:.0f}"
+            msg = (
+                f"p99 {shown} us (max {max_latency_us:.0f}), loss {r.loss or 0:.3f} "
+                f"(max {max_loss})"
+            )
+        peers.append(
+            ProbePeer(
+                node=r.node,
+                reachable=r.reachable,
+                latency_p50_microseconds=r.percentile(0.5),
+                latency_p99_microseconds=p99,
+                loss_fraction=r.loss,
+                message=msg[:1024],
+            )
+        )
+        verdicts.append((r.node, ok))
+    healthy = all(ok for _, ok in verdicts) if verdicts else None
+    summary = ProbeSummary(healthy=healthy, last_run_time=now(), peers=peers or None)
+    return summary, (healthy, tuple(sorted(verdicts)))
+
+
+class Prober:
+    """Runs the server and the periodic probe rounds of one agent."""
+
+    def __init__(
+        self,
+        kube: KubeClient,
+        network: str,
+        node: str,
+        address: Callable[[], str],
+        port: int,
+        local: Callable[[], Local | None],
+        publish: Callable[[str], None],
+        report: Callable[[ProbeSummary], None],
+        metrics: Any,
+        interval: float,
+        peers: int,
+        max_latency_us: float,
+        max_loss: float,
+    ) -> None:
+        self.kube = kube
+        self.network = network
+        self.node = node
+        self.address = address
+        self.port = port
+        self.local = local
+        self.publish = publish
+        self.report = report
+        self.metrics = metrics
+        self.interval = interval
+        self.peers = peers
+        self.max_latency_us = max_latency_us
+        self.max_loss = max_loss
+        self.server: ProbeServer | None = None
+        self._stop = threading.Event()
+        self._verdict: tuple[Any, ...] | None = None
+        self.rounds = 0
+
+    @classmethod
+    def for_agent(cls, agent: Any) -> Prober:
+        cfg = agent.config
+        opts = agent.options
+
+        def local() -> Local | None:
+            from metaroce_agent.transport.base import select_gid
+
+            plan = agent.state.plan
+            if plan is None or not plan.devices:
+                return None
+            td = plan.devices[0]
+            dev = agent.state.inventory.rdma_device(td.rdma_device)
+            port = dev.port(td.port) if dev else None
+            gid = select_gid(agent.config, port) if port else None
+            if gid is None:
+                return None
+            return Local(td.rdma_device, td.port, gid.index, agent.config.qos.data.dscp << 2)
+
+        def address() -> str:
+            plan = agent.state.plan
+            if plan and plan.netdevs:
+                nd = agent.state.inventory.netdev(plan.netdevs[0])
+                if nd and nd.ipv4:
+                    return str(nd.ipv4[0].split("/")[0])
+            return "0.0.0.0"
+
+        def publish(endpoint: str) -> None:
+            if agent.writer is not None:
+                agent.writer.set_annotation(PROBE_ENDPOINT_ANNOTATION, endpoint)
+                agent.report()
+
+        return cls(
+            kube=agent.kube,
+            network=cfg.network,
+            node=opts.node_name,
+            address=address,
+            port=opts.probe_port,
+            local=local,
+            publish=publish,
+            report=agent.set_probe,
+            metrics=agent.metrics,
+            interval=parse_duration(cfg.probe.interval).total_seconds(),
+            peers=cfg.probe.peers_per_node,
+            max_latency_us=float(cfg.probe.max_latency_microseconds),
+            max_loss=cfg.probe.max_loss_fraction,
+        )
+
+    def start(self) -> None:
+        """Listen on the RDMA netdev's address (known after the first apply pass)."""
+        address = self.address()
+        try:
+            self.server = ProbeServer(address, self.port, self.local)
+        except OSError as e:
+            log.error("probe server cannot listen on %s:%d: %s", address, self.port, e)
+            return
+        threading.Thread(target=self.server.serve, name="probe-server", daemon=True).start()
+        self.publish(f"{address}:{self.server.port}")
+        threading.Thread(target=self._loop, name="probe-rounds", daemon=True).start()
+        log.info("probe: serving on %s:%d, %d peer(s) every %.0f s", address,
+                 self.server.port, self.peers, self.interval)  # fmt: skip
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self.server is not None:
+            self.server.stop()
+
+    def endpoints(self) -> dict[str, str]:
+        path = cluster_path(constants.GROUP, constants.VERSION, constants.NODESTATE_PLURAL)
+        data = self.kube.request(
+            "GET", path, params={"labelSelector": f"{constants.NETWORK_LABEL}={self.network}"}
+        )
+        out = {}
+        for item in data.get("items") or []:
+            node = (item.get("spec") or {}).get("node")
+            ep = ((item.get("metadata") or {}).get("annotations") or {}).get(
+                PROBE_ENDPOINT_ANNOTATION
+            )
+            if node and ep and node != self.node:
+                out[str(node)] = str(ep)
+        return out
+
+    def round(self) -> ProbeSummary | None:
+        local = self.local()
+        if local is None:
+            return None
+        try:
+            endpoints = self.endpoints()
+        except KubeError as e:
+            log.warning("probe: cannot list peers: %s", e)
+            return None
+        results = []
+        for node in choose_peers(self.node, endpoints, self.peers):
+            host, _, port = endpoints[node].rpartition(":")
+            t0 = time.monotonic()
+            r = probe_peer(node, host, int(port), local)
+            results.append(r)
+            m = self.metrics
+            m.probe_rounds.labels(peer=node, result="ok" if r.reachable else "unreachable").inc()
+            for q in (0.5, 0.9, 0.99):
+                v = r.percentile(q)
+                if v is not None:
+                    m.probe_latency.labels(peer=node, quantile=str(q)).set(v)
+            for rtt in r.rtts_us:
+                m.probe_rtt.observe(rtt)
+            if r.loss is not None:
+                m.probe_loss.labels(peer=node).set(r.loss)
+            log.debug("probe %s: %s in %.2f s", node, r, time.monotonic() - t0)
+        self.rounds += 1
+        if not results:
+            return None
+        summary, verdict = summarize(results, self.max_latency_us, self.max_loss)
+        if verdict != self._verdict:
+            self._verdict = verdict
+            log.info("probe verdict: %s", verdict)
+            self.report(summary)
+        return summary
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.round()
+            except Exception as e:  # never let the probe kill the agent
+                log.error("probe round failed: %s", e)

@@ -1,0 +1,199 @@
+"""DSCP marking and priority mapping with `tc`, for netdevs without DCB (SoftRoCE).
+
+One `clsact` egress filter on the netdev matches RoCEv2 (UDP port 4791) and rewrites the
+DSCP bits (ECN bits kept), fixes the IPv4 header checksum and sets the skb priority:
+
+    tc filter replace dev eth0 egress protocol ip pref 4791 handle 0x4d52 flower \\
+        ip_proto udp dst_port 4791 \\
+        action pedit ex munge ip dsfield set 0x68 retain 0xfc pipe \\
+        action csum ip pipe action skbedit priority 3
+
+so every RoCEv2 packet rxe sends leaves with DSCP 26 (ToS 0x68 on the wire), whatever the
+application asked for: the node-level DSCP policy a DCB NIC enforces in hardware.
+Read back from `tc -j filter show dev eth0 egress` (pedit key `val` `680000`, mask
+`ff03ffff`; skbedit `priority` `:3`). The agent owns only its filter (pref 4791, handle
+0x4d52) and a clsact qdisc it created itself and that holds no other filter.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from metaroce_agent.host import Host
+from metaroce_agent.steps import Json, Step, StepError
+
+ROCE_V2_PORT = 4791
+FILTER_PREF = 4791
+FILTER_HANDLE = 0x4D52  # "MR"
+
+
+def _json(host: Host, argv: list[str]) -> list[dict[str, Any]]:
+    res = host.run(argv)
+    try:
+        data = json.loads(res.stdout or "[]")
+    except ValueError as e:
+        raise StepError(f"`{res.command}` printed no JSON: {res.stdout[:200]!r}") from e
+    return [d for d in data if isinstance(d, dict)] if isinstance(data, list) else []
+
+
+def has_clsact(host: Host, dev: str) -> bool:
+    return any(
+        q.get("kind") == "clsact" for q in _json(host, ["tc", "-j", "qdisc", "show", "dev", dev])
+    )
+
+
+def filters(host: Host, dev: str, direction: str) -> list[dict[str, Any]]:
+    """Filters of a clsact hook, with options (the bare per-pref headers dropped)."""
+    entries = _json(host, ["tc", "-j", "filter", "show", "dev", dev, direction])
+    return [e for e in entries if "options" in e]
+
+
+@dataclass(frozen=True)
+class ClsactStep(Step):
+    kind = "tc-clsact"
+    knob = "tc-clsact"
+    method = "tc"
+    report = False
+
+    def value(self) -> str:
+        return "clsact"
+
+    def snapshot(self, host: Host) -> Json:
+        return {"existed": has_clsact(host, self.device)}
+
+    def apply(self, host: Host) -> None:
+        if not has_clsact(host, self.device):
+            host.run(["tc", "qdisc", "add", "dev", self.device, "clsact"])
+
+    def verify(self, host: Host) -> str | None:
+        return None if has_clsact(host, self.device) else f"no clsact qdisc on {self.device}"
+
+    def undo(self, host: Host, snapshot: Json) -> None:
+        if not (isinstance(snapshot, dict) and snapshot.get("existed") is False):
+            return  # it was there before us: shared, never ours to remove
+        if not has_clsact(host, self.device):
+            return
+        if filters(host, self.device, "egress") or filters(host, self.device, "ingress"):
+            return  # someone else put filters on it since: leave it
+        host.run(["tc", "qdisc", "del", "dev", self.device, "clsact"])
+
+
+@dataclass(frozen=True)
+class TcMarkStep(Step):
+    """Mark RoCEv2 egress packets with `dscp` and skb priority `priority`."""
+
+    kind = "tc-mark"
+    knob = "dscp-mark"
+    method = "tc"
+
+    dscp: int = 26
+    priority: int = 3
+    family: str = "ipv4"
+
+    @property
+    def tos(self) -> int:
+        return self.dscp << 2
+
+    def value(self) -> str:
+        return f"dscp {self.dscp} (tos 0x{self.tos:02x}) priority {self.priority}"
+
+    def _proto(self) -> str:
+        return "ip" if self.family == "ipv4" else "ipv6"
+
+    def command(self) -> list[str]:
+        munge = (
+            ["munge", "ip", "dsfield"]
+            if self.family == "ipv4"
+            else ["munge", "ip6", "traffic_class"]
+        )
+        csum = ["action", "csum", "ip", "pipe"] if self.family == "ipv4" else []
+        return [
+            "tc", "filter", "replace", "dev", self.device, "egress",
+            "protocol", self._proto(), "pref", str(FILTER_PREF), "handle", hex(FILTER_HANDLE),
+            "flower", "ip_proto", "udp", "dst_port", str(ROCE_V2_PORT),
+            "action", "pedit", "ex", *munge, "set", f"0x{self.tos:02x}", "retain", "0xfc", "pipe",
+            *csum,
+            "action", "skbedit", "priority", str(self.priority),
+        ]  # fmt: skip
+
+    def _ours(self, host: Host) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+        mine, others = None, []
+        for f in filters(host, self.device, "egress"):
+            if f.get("pref") != FILTER_PREF:
+                continue
+            if (f.get("options") or {}).get("handle") == FILTER_HANDLE:
+                mine = f
+            else:
+                others.append(f)
+        return mine, others
+
+    def apply(self, host: Host) -> None:
+        # `replace` with the agent's pref and handle is idempotent; a foreign filter at the
+        # same pref is caught by the read-back (and the rollback deletes only ours).
+        host.run(self.command())
+
+    def verify(self, host: Host) -> str | None:
+        mine, others = self._ours(host)
+        if others:
+            handles = [o.get("options", {}).get("handle") for o in others]
+            return (
+                f"egress pref {FILTER_PREF} on {self.device} also holds filters that are not "
+                f"the agent's (handles {handles}): move them to another pref"
+            )
+        if mine is None:
+            return f"no RoCEv2 marking filter (egress pref {FILTER_PREF}) on {self.device}"
+        return describe_mismatch(mine, self.tos, self.priority)
+
+    def undo(self, host: Host, snapshot: Json) -> None:
+        mine, _ = self._ours(host)
+        if mine is None:
+            return
+        host.run(
+            [
+                "tc", "filter", "del", "dev", self.device, "egress", "protocol", self._proto(),
+                "pref", str(FILTER_PREF), "handle", hex(FILTER_HANDLE), "flower",
+            ]
+        )  # fmt: skip
+
+
+def marking_of(entry: dict[str, Any]) -> tuple[int | None, int | None, int | None]:
+    """(tos, skb priority, dst_port) a flower filter entry sets, from tc's JSON."""
+    opts = entry.get("options") or {}
+    keys = opts.get("keys") or {}
+    port = keys.get("dst_port")
+    tos = prio = None
+    for action in opts.get("actions") or []:
+        if action.get("kind") == "pedit":
+            for key in action.get("keys") or []:
+                try:
+                    val = int(str(key.get("val")), 16)
+                    mask = int(str(key.get("mask")), 16)
+                except ValueError:
+                    continue
+                if key.get("htype") == "ipv4" and int(key.get("offset", -1)) == 0:
+                    if mask & 0x00FF0000 != 0x00FF0000:  # the ToS byte is being set
+                        tos = (val >> 16) & 0xFF
+                elif key.get("htype") == "ipv6" and int(key.get("offset", -1)) == 0:
+                    tos = (val >> 20) & 0xFF
+        elif action.get("kind") == "skbedit" and "priority" in action:
+            minor = str(action["priority"]).rsplit(":", 1)[-1] or "0"
+            try:
+                prio = int(minor, 16)
+            except ValueError:
+                prio = None
+    return tos, prio, int(port) if isinstance(port, int | str) and str(port).isdigit() else None
+
+
+def describe_mismatch(entry: dict[str, Any], tos: int, priority: int) -> str | None:
+    have_tos, have_prio, port = marking_of(entry)
+    problems = []
+    if port != ROCE_V2_PORT:
+        problems.append(f"matches dst_port {port}, want {ROCE_V2_PORT}")
+    if have_tos is None or (have_tos & 0xFC) != (tos & 0xFC):
+        shown = "nothing" if have_tos is None else f"0x{have_tos:02x}"
+        problems.append(f"sets tos {shown}, want 0x{tos:02x}")
+    if have_prio != priority:
+        problems.append(f"sets priority {have_prio}, want {priority}")
+    return ("RoCEv2 marking filter " + "; ".join(problems)) if problems else None

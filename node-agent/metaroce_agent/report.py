@@ -1,0 +1,331 @@
+"""Report: build the `MetaRoceNodeState` status (pure) and write it only when it changed.
+
+`build_status` turns what the agent knows (config, inventory, plan, the last apply and
+drift results, probe summary, errors, revert) into the API's status model. The writer
+creates the NodeState once (spec: network and node; labels from `nodestate_labels`) and
+server-side-applies the status under the agent's field manager, skipping the write when
+nothing but timestamps changed, so an idle node makes no API traffic.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from metaroce_agent import __version__
+from metaroce_agent.discover import Inventory
+from metaroce_agent.engine import ApplyResult
+from metaroce_agent.kube import KubeClient, cluster_path
+from metaroce_agent.plan import Plan
+from metaroce_agent.transport.base import select_gid
+from metaroce_agent.transport.select import DRIVERS
+from metaroce_api import (
+    AgentConfig,
+    AgentError,
+    AppliedKnob,
+    Condition,
+    Device,
+    MetaRoceNodeStateStatus,
+    ProbeSummary,
+    QosReport,
+    SkippedKnob,
+    TransportState,
+    constants,
+    nodestate_labels,
+    nodestate_name,
+)
+from metaroce_api.nodestate import NodeStatePhase
+
+log = logging.getLogger("metaroce.agent.report")
+
+MAX_ERRORS = 16
+
+# Condition reasons of a NodeState (CamelCase, metav1.Condition).
+REASON_APPLIED = "Applied"
+REASON_DEGRADED = "Degraded"
+REASON_APPLY_FAILED = "ApplyFailed"
+REASON_PLAN_BLOCKED = "PlanBlocked"
+REASON_REVERTED = "Reverted"
+REASON_PENDING = "Pending"
+
+PROBE_ENDPOINT_ANNOTATION = f"{constants.GROUP}/probe-endpoint"
+"""LOCAL SHIM until metaroce_api.constants has it: `<ip>:<port>` of the agent's probe
+side channel on the RDMA netdev, published on its NodeState for peer agents."""
+
+
+def now() -> datetime:
+    return datetime.now(UTC).replace(microsecond=0)
+
+
+@dataclass
+class ErrorLog:
+    """The latest errors (at most 16), each keeping the time it first appeared."""
+
+    items: list[AgentError] = field(default_factory=list)
+
+    def set(self, current: Sequence[tuple[str, str]], when: datetime | None = None) -> None:
+        """Replace the list with `current` (step, message) pairs, keeping first-seen times."""
+        seen = {(e.step, e.message): e.time for e in self.items}
+        t = when or now()
+        unique = list(dict.fromkeys((s[:128], m[:4096]) for s, m in current))
+        self.items = [
+            AgentError(step=s, message=m, time=seen.get((s, m), t)) for s, m in unique[-MAX_ERRORS:]
+        ]
+
+
+def inventory_devices(config: AgentConfig, inventory: Inventory, plan: Plan | None) -> list[Device]:
+    """One entry per RDMA device port the network serves, plus selected netdevs without."""
+    out: list[Device] = []
+    selected = list(plan.netdevs) if plan else []
+    served = list(plan.devices) if plan else []
+    for nd_name in selected:
+        nd = inventory.netdev(nd_name)
+        if nd is None:
+            continue
+        mine = [d for d in served if d.netdev == nd_name]
+        base: dict[str, Any] = {
+            "netdev": nd.name,
+            "pci_address": nd.pci_address,
+            "vendor_id": nd.vendor_id,
+            "device_id": nd.device_id,
+            "driver": nd.driver,
+            "numa_node": nd.numa_node,
+            "link_speed_mbps": nd.speed_mbps,
+            "mtu": nd.mtu,
+        }
+        if not mine:
+            out.append(Device(**base))
+            continue
+        for td in mine:
+            dev = inventory.rdma_device(td.rdma_device)
+            port = dev.port(td.port) if dev else None
+            gid = select_gid(config, port) if port else None
+            out.append(
+                Device(
+                    **base,
+                    rdma_device=td.rdma_device if dev else None,
+                    rdma_kind=td.kind if dev else "none",
+                    active_mtu=port.active_mtu if port else None,
+                    port_state=port.state if port else None,
+                    gid_index=gid.index if gid else None,
+                    gid=gid.gid if gid else None,
+                )
+            )
+    return out[:64]
+
+
+def transport_state(
+    config: AgentConfig, inventory: Inventory, plan: Plan | None, applied_ok: bool
+) -> tuple[TransportState, list[tuple[str, str]]]:
+    """The transport as it is now, and device problems (step, message)."""
+    if plan is None or plan.mode == "none":
+        return TransportState(mode="none", ready=False, message="no transport"), []
+    problems: list[tuple[str, str]] = []
+    usable = []
+    driver = DRIVERS.get(plan.mode)
+    for td in plan.devices:
+        dev = inventory.rdma_device(td.rdma_device)
+        why = driver().device_problem(config, dev, td.port) if driver else None
+        if why is None:
+            usable.append(td.rdma_device)
+        else:
+            problems.append(
+                (f"transport {plan.mode} on {td.rdma_device}", f"{td.rdma_device} {why}")
+            )
+    ready = applied_ok and bool(plan.devices) and not problems
+    return (
+        TransportState(
+            mode=plan.mode,
+            ready=ready,
+            devices=sorted(set(usable)) or None,
+            message=plan.transport_message[:1024],
+        ),
+        problems,
+    )
+
+
+def build_status(
+    *,
+    config: AgentConfig,
+    inventory: Inventory,
+    plan: Plan | None,
+    result: ApplyResult | None,
+    errors: ErrorLog,
+    drift_corrections: int,
+    probe: ProbeSummary | None = None,
+    reverted: bool = False,
+    reverting: bool = False,
+    previous: MetaRoceNodeStateStatus | None = None,
+    last_applied: datetime | None = None,
+) -> MetaRoceNodeStateStatus:
+    """The NodeState status for the agent's current knowledge (pure)."""
+    phase: NodeStatePhase
+    applied_ok = bool(result and result.ok)
+    transport, device_problems = transport_state(config, inventory, plan, applied_ok)
+    errs = list(errors.items)
+    if device_problems:
+        extra = ErrorLog(list(errs))
+        extra.set([(e.step, e.message) for e in errs] + device_problems)
+        errs = extra.items
+
+    applied = (
+        [
+            AppliedKnob(name=s.knob, device=s.device, value=s.value()[:256], method=s.method)
+            for s in result.applied
+            if s.report
+        ]
+        if result and result.ok and not reverted
+        else []
+    )
+    skipped = [
+        SkippedKnob(name=s.knob, device=s.device, reason=s.reason[:1024])
+        for s in (plan.skipped if plan else ())
+    ]
+
+    if reverted:
+        phase, reason, msg = "Reverted", REASON_REVERTED, "node settings reverted (cleanupOnDelete)"
+    elif reverting:
+        phase, reason, msg = "Reverting", REASON_REVERTED, "reverting node settings"
+    elif plan is None or result is None:
+        phase, reason, msg = "Pending", REASON_PENDING, "not applied yet"
+    elif not plan.ok:
+        phase, reason = "Failed", REASON_PLAN_BLOCKED
+        msg = "; ".join(f"{e.where}: {e.message}" for e in plan.errors)
+    elif not result.ok:
+        phase, reason = "Failed", REASON_APPLY_FAILED
+        where = result.failed_step.name if result.failed_step else "apply"
+        msg = f"{where} failed: {result.error}; rolled back {len(result.rolled_back)} step(s)"
+    elif device_problems or errs:
+        phase, reason = "Degraded", REASON_DEGRADED
+        msg = "; ".join(e.message for e in errs)[:2000]
+    else:
+        phase, reason = "Ready", REASON_APPLIED
+        msg = (
+            f"{len(applied)} knob(s) applied, {len(skipped)} skipped; "
+            f"{transport.mode} on {', '.join(transport.devices or []) or 'nothing'}"
+        )
+    ready = "True" if phase == "Ready" else "False"
+    condition = _condition(
+        previous, constants.CONDITION_READY, ready, reason, msg[:32768], config.generation
+    )
+    return MetaRoceNodeStateStatus(
+        phase=phase,
+        config_generation=config.generation,
+        agent_version=__version__,
+        inventory=inventory_devices(config, inventory, plan) or None,
+        qos=QosReport(applied=applied or None, skipped=skipped or None)
+        if (applied or skipped)
+        else None,
+        transport=transport,
+        probe=probe,
+        errors=errs[-MAX_ERRORS:] or None,
+        drift_corrections=drift_corrections,
+        last_applied_time=last_applied,
+        reverted=reverted,
+        conditions=[condition],
+    )
+
+
+def _condition(
+    previous: MetaRoceNodeStateStatus | None,
+    ctype: str,
+    status: str,
+    reason: str,
+    message: str,
+    generation: int,
+) -> Condition:
+    old = (
+        next((c for c in (previous.conditions or []) if c.type == ctype), None)
+        if previous
+        else None
+    )
+    when = old.last_transition_time if old is not None and old.status == status else now()
+    return Condition(
+        type=ctype,
+        status=status,  # type: ignore[arg-type]
+        observed_generation=generation,
+        last_transition_time=when,
+        reason=reason,
+        message=message,
+    )
+
+
+def change_key(status: MetaRoceNodeStateStatus) -> str:
+    """A digest of the status without its clocks: equal keys mean nothing to write."""
+    data = status.to_api()
+    data.pop("lastAppliedTime", None)
+    if isinstance(data.get("probe"), dict):
+        data["probe"].pop("lastRunTime", None)
+        for peer in data["probe"].get("peers") or []:
+            for k in ("latencyP50Microseconds", "latencyP99Microseconds", "lossFraction"):
+                peer.pop(k, None)
+    for c in data.get("conditions") or []:
+        c.pop("lastTransitionTime", None)
+    for e in data.get("errors") or []:
+        e.pop("time", None)
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+class NodeStateWriter:
+    """Creates the agent's NodeState and applies its status when it changed."""
+
+    def __init__(self, kube: KubeClient, network: str, node: str) -> None:
+        self.kube = kube
+        self.network = network
+        self.node = node
+        self.name = nodestate_name(network, node)
+        self.path = cluster_path(
+            constants.GROUP, constants.VERSION, constants.NODESTATE_PLURAL, self.name
+        )
+        self._last_key: str | None = None
+        self._ensured = False
+        self.writes = 0
+        self.annotations: dict[str, str] = {}
+
+    def _object(self) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "name": self.name,
+            "labels": nodestate_labels(self.network, self.node),
+        }
+        if self.annotations:
+            meta["annotations"] = dict(self.annotations)
+        return {
+            "apiVersion": constants.API_VERSION,
+            "kind": constants.NODESTATE_KIND,
+            "metadata": meta,
+            "spec": {"network": self.network, "node": self.node},
+        }
+
+    def ensure(self) -> None:
+        """Create or take over the NodeState (spec, labels, annotations) by server-side apply."""
+        self.kube.apply(self.path, self._object(), constants.AGENT_FIELD_MANAGER)
+        self._ensured = True
+
+    def set_annotation(self, key: str, value: str) -> None:
+        if self.annotations.get(key) != value:
+            self.annotations[key] = value
+            self._ensured = False
+
+    def write(self, status: MetaRoceNodeStateStatus, *, force: bool = False) -> bool:
+        """Apply `status` if it differs from the last one written; True when written."""
+        key = change_key(status)
+        if not force and key == self._last_key and self._ensured:
+            return False
+        if not self._ensured:
+            self.ensure()
+        body = {
+            "apiVersion": constants.API_VERSION,
+            "kind": constants.NODESTATE_KIND,
+            "metadata": {"name": self.name},
+            "status": status.to_api(),
+        }
+        self.kube.apply(f"{self.path}/status", body, constants.AGENT_FIELD_MANAGER)
+        self._last_key = key
+        self.writes += 1
+        log.info("NodeState %s: phase %s written", self.name, status.phase)
+        return True

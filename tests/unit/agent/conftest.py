@@ -1,0 +1,55 @@
+"""Fixtures of the agent's unit tests: fake nodes (sysfs tree + recording runner)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fakes import FakeKernel, FixtureHost, SysfsTree
+
+from metaroce_agent.capabilities import Capabilities, probe_capabilities
+from metaroce_agent.discover import Inventory, discover
+from metaroce_agent.plan import select_netdevs
+from metaroce_api import AgentConfig
+
+
+def make_config(**overrides: Any) -> AgentConfig:
+    data: dict[str, Any] = {
+        "network": "rdma-a",
+        "generation": 3,
+        "resourceName": "metaroce.io/rdma-a",
+        "nics": {"interfaceNames": ["ens*"]},
+    }
+    for key, value in overrides.items():
+        if key != "nics" and isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key] = {**data[key], **value}
+        else:
+            data[key] = value
+    return AgentConfig.model_validate(data)
+
+
+class Node:
+    """A fake node: tree, kernel (runner) and host, plus discover/caps shortcuts."""
+
+    def __init__(self, tree: SysfsTree, kernel: FakeKernel) -> None:
+        self.tree = tree
+        self.kernel = kernel
+        self.host = FixtureHost(tree.root, runner=kernel)
+
+    def inventory(self) -> Inventory:
+        return discover(self.host)
+
+    def caps(self, config: AgentConfig, inv: Inventory | None = None) -> Capabilities:
+        inv = inv or self.inventory()
+        return probe_capabilities(self.host, inv, [n.name for n in select_netdevs(config, inv)])
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Callable[..., Node]:
+    def build(case: Callable[..., tuple[SysfsTree, FakeKernel]], **kw: Any) -> Node:
+        tree, kernel = case(tmp_path / "root", **kw)
+        return Node(tree, kernel)
+
+    return build

@@ -1,0 +1,650 @@
+"""Fixture sysfs trees and a recording command runner for the agent's unit tests.
+
+`SysfsTree` builds a node's /sys (netdevs with PCI or virtio devices, RDMA devices with
+ports, GID tables and counters, configfs) under a tmp root, with relative symlinks so
+`Host(root)` resolves them like the kernel's. `FakeKernel` is a `CommandRunner` that
+records every argv and answers `dcb`, `tc`, `rdma` and `modprobe` the way iproute2 and
+kmod do (JSON shapes copied from real runs in the SoftRoCE guests), keeping their state
+in memory and in the tree (an `rdma link add` makes the rxe device appear in sysfs).
+`FixtureHost` makes configfs `mkdir` behave like rdma_cm's (ports/N appear).
+Unit tests only: the agent itself always uses the real runner.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from metaroce_agent.host import CommandError, CommandResult, Host, HostError
+
+ZERO = "0000:0000:0000:0000:0000:0000:0000:0000"
+
+RXE_HW_COUNTERS = [
+    "sent_pkts",
+    "rcvd_pkts",
+    "duplicate_request",
+    "out_of_seq_request",
+    "rcvd_rnr_err",
+    "send_rnr_err",
+    "rcvd_seq_err",
+    "ack_deferred",
+    "retry_exceeded_err",
+    "retry_rnr_exceeded_err",
+    "completer_retry_err",
+    "send_err",
+    "link_downed",
+    "rdma_sends",
+    "rdma_recvs",
+    "lifespan",
+]
+MLX5_PORT_COUNTERS = [
+    "excessive_buffer_overrun_errors",
+    "link_downed",
+    "link_error_recovery",
+    "local_link_integrity_errors",
+    "multicast_rcv_packets",
+    "multicast_xmit_packets",
+    "port_rcv_constraint_errors",
+    "port_rcv_data",
+    "port_rcv_errors",
+    "port_rcv_packets",
+    "port_rcv_remote_physical_errors",
+    "port_rcv_switch_relay_errors",
+    "port_xmit_constraint_errors",
+    "port_xmit_data",
+    "port_xmit_discards",
+    "port_xmit_packets",
+    "port_xmit_wait",
+    "symbol_error",
+    "unicast_rcv_packets",
+    "unicast_xmit_packets",
+    "VL15_dropped",
+]
+MLX5_HW_COUNTERS = [
+    "duplicate_request",
+    "implied_nak_seq_err",
+    "lifespan",
+    "local_ack_timeout_err",
+    "np_cnp_sent",
+    "np_ecn_marked_roce_packets",
+    "out_of_buffer",
+    "out_of_sequence",
+    "packet_seq_err",
+    "req_cqe_error",
+    "req_cqe_flush_error",
+    "req_remote_access_errors",
+    "req_remote_invalid_request",
+    "resp_cqe_error",
+    "resp_cqe_flush_error",
+    "resp_local_length_error",
+    "resp_remote_access_errors",
+    "rnr_nak_retry_err",
+    "roce_adp_retrans",
+    "roce_adp_retrans_to",
+    "roce_slow_restart",
+    "roce_slow_restart_cnps",
+    "roce_slow_restart_trans",
+    "rp_cnp_handled",
+    "rp_cnp_ignored",
+    "rx_atomic_requests",
+    "rx_icrc_encapsulated",
+    "rx_read_requests",
+    "rx_write_requests",
+]
+
+
+def ipv4_gid(addr: str) -> str:
+    a, b, c, d = (int(x) for x in addr.split("."))
+    return f"0000:0000:0000:0000:0000:ffff:{a:02x}{b:02x}:{c:02x}{d:02x}"
+
+
+def link_local_gid(mac: str) -> str:
+    b = [int(x, 16) for x in mac.split(":")]
+    b[0] ^= 2
+    return "fe80:0000:0000:0000:{:02x}{:02x}:{:02x}ff:fe{:02x}:{:02x}{:02x}".format(*b)
+
+
+class SysfsTree:
+    """Builds /sys (and /proc, /dev) of a fake node under `root`."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._ifindex = 1
+        self._uverbs = 0
+        self.mkdir("/sys/class/net")
+        self.mkdir("/sys/class/infiniband")
+        self.mkdir("/sys/class/infiniband_verbs")
+        self.mkdir("/sys/module")
+        self.mkdir("/proc")
+        self.mkdir("/run/metaroce/agent")
+
+    # --- plumbing --------------------------------------------------------------------
+    def p(self, path: str) -> Path:
+        return self.root / path.lstrip("/")
+
+    def mkdir(self, path: str) -> None:
+        self.p(path).mkdir(parents=True, exist_ok=True)
+
+    def write(self, path: str, value: object) -> None:
+        target = self.p(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(f"{value}\n")
+
+    def symlink(self, path: str, target: str) -> None:
+        link = self.p(path)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        rel = os.path.relpath(self.p(target), link.parent)
+        if link.is_symlink():
+            link.unlink()
+        link.symlink_to(rel)
+
+    # --- parts -----------------------------------------------------------------------
+    def module(self, name: str) -> None:
+        self.mkdir(f"/sys/module/{name}")
+
+    def configfs(self, rdma_cm: bool = True) -> None:
+        self.mkdir("/sys/kernel/config")
+        if rdma_cm:
+            self.mkdir("/sys/kernel/config/rdma_cm")
+            self.module("rdma_cm")
+
+    def netdev(
+        self,
+        name: str,
+        *,
+        mtu: int = 1500,
+        mac: str | None = None,
+        pci: str | None = None,
+        vendor: str = "0x15b3",
+        device: str = "0x101d",
+        driver: str | None = "mlx5_core",
+        numa: int = 0,
+        speed: int | None = 100000,
+        operstate: str = "up",
+        virtio: bool = False,
+        kind: str | None = None,
+        ipv4: Sequence[str] = (),
+        ecn: bool = False,
+        cnp: bool = False,
+        max_mtu: int | None = None,
+    ) -> str:
+        base = f"/sys/class/net/{name}"
+        idx = self._ifindex = self._ifindex + 1
+        mac = mac or f"52:54:00:00:00:{idx:02x}"
+        self.write(f"{base}/ifindex", idx)
+        self.write(f"{base}/mtu", mtu)
+        self.write(f"{base}/operstate", operstate)
+        self.write(f"{base}/address", mac)
+        self.write(f"{base}/speed", speed if speed is not None else -1)
+        if max_mtu is not None:
+            self.write(f"{base}/fixture_max_mtu", max_mtu)
+        if ipv4:
+            self.write(f"{base}/fixture_ipv4", "\n".join(ipv4))
+        if kind is not None:  # a virtual link: no device symlink
+            self.write(f"{base}/fixture_kind", kind)
+            return mac
+        pci = pci or f"0000:{idx:02x}:00.0"
+        pdir = f"/sys/devices/pci0000:00/{pci}"
+        self.write(f"{pdir}/vendor", "0x1af4" if virtio else vendor)
+        self.write(f"{pdir}/device", "0x1000" if virtio else device)
+        self.write(f"{pdir}/numa_node", numa)
+        dev_dir = f"{pdir}/virtio{idx}" if virtio else pdir
+        if virtio:
+            self.write(f"{dev_dir}/vendor", "0x1af4")
+            self.write(f"{dev_dir}/device", "0x0001")
+            self.mkdir("/sys/bus/virtio/drivers/virtio_net")
+            self.symlink(f"{dev_dir}/driver", "/sys/bus/virtio/drivers/virtio_net")
+        elif driver:
+            self.mkdir(f"/sys/bus/pci/drivers/{driver}")
+            self.symlink(f"{dev_dir}/driver", f"/sys/bus/pci/drivers/{driver}")
+        self.symlink(f"{base}/device", dev_dir)
+        self.mkdir(f"{dev_dir}/net/{name}")
+        if ecn:
+            for point in ("roce_np", "roce_rp"):
+                for prio in range(8):
+                    self.write(f"{base}/ecn/{point}/enable/{prio}", 0)
+        if cnp:
+            self.write(f"{base}/ecn/roce_np/cnp_dscp", 0)
+            self.write(f"{base}/ecn/roce_np/cnp_802p_prio", 0)
+        return mac
+
+    def rdma(
+        self,
+        name: str,
+        *,
+        netdev: str,
+        software: bool = False,
+        ports: int = 1,
+        state: str = "4: ACTIVE",
+        phys_state: str = "5: LinkUp",
+        gids: Sequence[tuple[int, str, str]] | None = None,
+        gid_table_len: int = 16,
+        counters: bool | None = None,
+        hw_counters: Sequence[str] | None = None,
+        device_hw_counters: Sequence[str] = (),
+        counter_value: int = 0,
+    ) -> None:
+        base = f"/sys/class/infiniband/{name}"
+        nbase = f"/sys/class/net/{netdev}"
+        mac = (self.p(f"{nbase}/address").read_text().strip()) if self.p(nbase).exists() else None
+        self.write(f"{base}/node_guid", "5054:00ff:fe00:010b")
+        self.write(f"{base}/fw_ver", "0.0.0" if software else "22.31.1014")
+        self.write(f"{base}/node_type", "1: CA")
+        if software:
+            self.write(f"{base}/parent", netdev)
+        else:
+            self.symlink(
+                f"{base}/device",
+                os.path.realpath(self.p(f"{nbase}/device")).replace(str(self.root), "", 1),
+            )
+        if gids is None:
+            gids = []
+            if mac:
+                gids.append((0, link_local_gid(mac), "RoCE v2"))
+                if not software:
+                    gids.insert(0, (0, link_local_gid(mac), "IB/RoCE v1"))
+                    gids[1] = (1, gids[1][1], "RoCE v2")
+            addr_file = self.p(f"{nbase}/fixture_ipv4")
+            if addr_file.exists():
+                for addr in addr_file.read_text().split():
+                    ip = addr.split("/")[0]
+                    if not software:
+                        gids.append((len(gids), ipv4_gid(ip), "IB/RoCE v1"))
+                    gids.append((len(gids), ipv4_gid(ip), "RoCE v2"))
+        counters = (not software) if counters is None else counters
+        hw = (
+            list(hw_counters)
+            if hw_counters is not None
+            else (RXE_HW_COUNTERS if software else MLX5_HW_COUNTERS)
+        )
+        for port in range(1, ports + 1):
+            pb = f"{base}/ports/{port}"
+            self.write(f"{pb}/state", state)
+            self.write(f"{pb}/phys_state", phys_state)
+            self.write(f"{pb}/link_layer", "Ethernet")
+            self.write(f"{pb}/rate", "2.5 Gb/sec (1X SDR)" if software else "100 Gb/sec (4X EDR)")
+            table = {i: (ZERO, None) for i in range(gid_table_len)}
+            for idx, gid, gtype in gids:
+                table[idx] = (gid, gtype)
+            for idx, (gid, gtype) in table.items():
+                self.write(f"{pb}/gids/{idx}", gid)
+                if gtype is not None:
+                    self.write(f"{pb}/gid_attrs/types/{idx}", gtype)
+                    self.write(f"{pb}/gid_attrs/ndevs/{idx}", netdev)
+            if counters:
+                for c in MLX5_PORT_COUNTERS:
+                    self.write(f"{pb}/counters/{c}", counter_value)
+            for c in hw:
+                self.write(f"{pb}/hw_counters/{c}", 10 if c == "lifespan" else counter_value)
+        for c in device_hw_counters:
+            self.write(f"{base}/hw_counters/{c}", counter_value)
+        uv = f"uverbs{self._uverbs}"
+        self._uverbs += 1
+        self.write(f"/sys/class/infiniband_verbs/{uv}/ibdev", name)
+
+    def remove_rdma(self, name: str) -> None:
+        shutil.rmtree(self.p(f"/sys/class/infiniband/{name}"), ignore_errors=True)
+        for uv in os.listdir(self.p("/sys/class/infiniband_verbs")):
+            f = self.p(f"/sys/class/infiniband_verbs/{uv}/ibdev")
+            if f.exists() and f.read_text().strip() == name:
+                shutil.rmtree(f.parent)
+
+    def process(self, pid: int, comm: str, fds: Sequence[str]) -> None:
+        """A process with open files (e.g. /dev/infiniband/uverbs0)."""
+        self.write(f"/proc/{pid}/comm", comm)
+        self.mkdir(f"/proc/{pid}/fd")
+        for i, target in enumerate(fds):
+            (self.p(f"/proc/{pid}/fd") / str(i + 3)).symlink_to(target)
+
+
+class FixtureHost(Host):
+    """A Host over a fixture tree whose configfs behaves like rdma_cm's.
+
+    `unwritable` holds host paths whose writes fail (EACCES), to make a step fail.
+    """
+
+    unwritable: set[str]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.unwritable = set()
+
+    def write(self, path: str, value: str) -> None:
+        if path in self.unwritable:
+            raise HostError(f"cannot write {value!r} to {path}: Permission denied")
+        super().write(path, value)
+
+    def mkdir(self, path: str) -> None:
+        super().mkdir(path)
+        prefix = "/sys/kernel/config/rdma_cm/"
+        if path.startswith(prefix) and "/" not in path[len(prefix) :]:
+            dev = path[len(prefix) :]
+            for port in self.listdir(f"/sys/class/infiniband/{dev}/ports"):
+                pdir = self.path(f"{path}/ports/{port}")
+                pdir.mkdir(parents=True, exist_ok=True)
+                (pdir / "default_roce_mode").write_text("RoCE v2\n")
+                (pdir / "default_roce_tos").write_text("0\n")
+
+    def rmdir(self, path: str) -> None:
+        shutil.rmtree(self.path(path), ignore_errors=True)
+
+
+@dataclass
+class FakeKernel:
+    """A recording `CommandRunner` that plays dcb/tc/rdma/modprobe against fake state."""
+
+    tree: SysfsTree
+    dcb_devices: set[str] = field(default_factory=set)
+    modules_available: set[str] = field(
+        default_factory=lambda: {"rdma_rxe", "rdma_cm", "rdma_ucm", "ib_uverbs"}
+    )
+    tools: set[str] = field(default_factory=lambda: {"dcb", "tc", "rdma", "modprobe"})
+    fail: dict[str, tuple[int, str]] = field(default_factory=dict)
+    """Command prefix (as a shell string) -> (exit code, stderr) to inject failures."""
+    calls: list[list[str]] = field(default_factory=list)
+    dscp_prio: dict[str, set[tuple[int, int]]] = field(default_factory=dict)
+    pfc: dict[str, list[bool]] = field(default_factory=dict)
+    ets: dict[str, dict[str, list[object]]] = field(default_factory=dict)
+    qdiscs: dict[str, set[str]] = field(default_factory=dict)
+    tc_filters: dict[tuple[str, str], dict[int, dict[str, object]]] = field(default_factory=dict)
+
+    @property
+    def commands(self) -> list[str]:
+        return [shlex.join(c) for c in self.calls]
+
+    def mutating(self) -> list[str]:
+        """Commands that change state (not show/-V/modprobe -n)."""
+        ro = (" show", " -V", "modprobe -n")
+        return [c for c in self.commands if not any(r in c for r in ro)]
+
+    def run(
+        self, argv: Sequence[str], *, check: bool = True, timeout: float = 60.0
+    ) -> CommandResult:
+        args = [str(a) for a in argv]
+        self.calls.append(args)
+        joined = shlex.join(args)
+        rc, out, err = 0, "", ""
+        for prefix, (code, msg) in self.fail.items():
+            if joined.startswith(prefix):
+                rc, err = code, msg
+                break
+        else:
+            if args[0] not in self.tools:
+                rc, err = 127, f"{args[0]}: command not found"
+            else:
+                try:
+                    out = getattr(self, f"_{args[0]}")(args[1:]) or ""
+                except _Fail as e:
+                    rc, err = e.rc, e.msg
+        result = CommandResult(tuple(args), rc, out, err)
+        if check and rc != 0:
+            raise CommandError(result)
+        return result
+
+    # --- modprobe ----------------------------------------------------------------------
+    def _modprobe(self, args: list[str]) -> str:
+        dry = "-n" in args
+        name = next(a for a in args if not a.startswith("-"))
+        if name not in self.modules_available:
+            raise _Fail(1, f"modprobe: FATAL: Module {name} not found")
+        if not dry:
+            self.tree.module(name)
+            if name == "rdma_cm" and self.tree.p("/sys/kernel/config").exists():
+                self.tree.mkdir("/sys/kernel/config/rdma_cm")
+        return ""
+
+    # --- rdma --------------------------------------------------------------------------
+    def _rdma(self, args: list[str]) -> str:
+        if args == ["-V"]:
+            return "rdma utility, iproute2-6.1.0\n"
+        if args[:3] == ["-j", "link", "show"]:
+            links = []
+            for i, name in enumerate(sorted(os.listdir(self.tree.p("/sys/class/infiniband")))):
+                parent = self.tree.p(f"/sys/class/infiniband/{name}/parent")
+                state = self.tree.p(f"/sys/class/infiniband/{name}/ports/1/state")
+                links.append(
+                    {
+                        "ifindex": i,
+                        "ifname": name,
+                        "port": 1,
+                        "state": state.read_text().split(":")[-1].strip()
+                        if state.exists()
+                        else "DOWN",
+                        "netdev": parent.read_text().strip() if parent.exists() else "",
+                    }
+                )
+            return json.dumps(links)
+        if args[:2] == ["link", "add"]:
+            name, netdev = args[2], args[args.index("netdev") + 1]
+            if not self.tree.p(f"/sys/class/net/{netdev}").exists():
+                raise _Fail(1, f"error: No such device {netdev}")
+            for other in os.listdir(self.tree.p("/sys/class/infiniband")):
+                parent = self.tree.p(f"/sys/class/infiniband/{other}/parent")
+                if other == name or (parent.exists() and parent.read_text().strip() == netdev):
+                    raise _Fail(1, "error: File exists")
+            if "rdma_rxe" not in os.listdir(self.tree.p("/sys/module")):
+                raise _Fail(1, "error: Operation not supported")
+            self.tree.rdma(name, netdev=netdev, software=True)
+            return ""
+        if args[:2] == ["link", "delete"]:
+            name = args[2]
+            if not self.tree.p(f"/sys/class/infiniband/{name}").exists():
+                raise _Fail(1, f"Wrong device name - {name}")
+            self.tree.remove_rdma(name)
+            return ""
+        raise _Fail(1, f"fake rdma: unsupported {args}")
+
+    # --- dcb ---------------------------------------------------------------------------
+    def _dcb(self, args: list[str]) -> str:
+        if args == ["-V"]:
+            return "dcb utility, iproute2-6.1.0\n"
+        flags = [a for a in args if a.startswith("-")]
+        rest = [a for a in args if not a.startswith("-")]
+        obj, cmd = rest[0], rest[1]
+        dev = rest[rest.index("dev") + 1]
+        if dev not in self.dcb_devices:
+            raise _Fail(1, "Attribute read: Operation not supported")
+        params = rest[rest.index("dev") + 2 :]
+        if cmd == "show":
+            assert "-j" in flags
+            if obj == "app":
+                return json.dumps(
+                    {"dscp_prio": [[d, p] for d, p in sorted(self.dscp_prio.get(dev, set()))]}
+                )
+            if obj == "pfc":
+                return json.dumps({"pfc_cap": 8, "prio_pfc": self.pfc.get(dev, [False] * 8)})
+            if obj == "ets":
+                state = self.ets.get(
+                    dev,
+                    {
+                        "tc_bw": [100, 0, 0, 0, 0, 0, 0, 0],
+                        "tc_tsa": ["ets"] + ["strict"] * 7,
+                        "prio_tc": [0] * 8,
+                    },
+                )
+                return json.dumps({"willing": False, "ets_cap": 8, "cbs": False, **state})
+        if obj == "app" and cmd in ("add", "del", "replace"):
+            pairs = {(int(d), int(p)) for d, p in (x.split(":") for x in params[1:])}
+            table = self.dscp_prio.setdefault(dev, set())
+            if cmd == "add":
+                table |= pairs
+            elif cmd == "del":
+                table -= pairs
+            else:
+                dscps = {d for d, _ in pairs}
+                table -= {e for e in table if e[0] in dscps}
+                table |= pairs
+            return ""
+        if obj == "pfc" and cmd == "set":
+            state = self.pfc.setdefault(dev, [False] * 8)
+            for item in params[1:]:
+                p, v = item.split(":")
+                state[int(p)] = v == "on"
+            return ""
+        if obj == "ets" and cmd == "set":
+            state = self.ets.setdefault(
+                dev,
+                {
+                    "tc_bw": [100, 0, 0, 0, 0, 0, 0, 0],
+                    "tc_tsa": ["ets"] + ["strict"] * 7,
+                    "prio_tc": [0] * 8,
+                },
+            )
+            key = None
+            for item in params:
+                if item in ("prio-tc", "tc-tsa", "tc-bw"):
+                    key = item.replace("-", "_")
+                    continue
+                i, v = item.split(":")
+                assert key is not None
+                state[key][int(i)] = v if key == "tc_tsa" else int(v)
+            return ""
+        raise _Fail(1, f"fake dcb: unsupported {args}")
+
+    # --- tc ----------------------------------------------------------------------------
+    def _tc(self, args: list[str]) -> str:
+        if args == ["-V"]:
+            return "tc utility, iproute2-6.1.0\n"
+        j = "-j" in args
+        args = [a for a in args if a != "-j"]
+        dev = args[args.index("dev") + 1]
+        if not self.tree.p(f"/sys/class/net/{dev}").exists():
+            raise _Fail(1, f'Cannot find device "{dev}"')
+        qd = self.qdiscs.setdefault(dev, set())
+        if args[0] == "qdisc":
+            if args[1] == "show":
+                assert j
+                out = [{"kind": "fq_codel", "handle": "0:", "root": True}]
+                if "clsact" in qd:
+                    out.append({"kind": "clsact", "handle": "ffff:", "parent": "ffff:fff1"})
+                return json.dumps(out)
+            if args[1] == "add" and args[-1] == "clsact":
+                if "clsact" in qd:
+                    raise _Fail(2, "Error: Exclusivity flag on, cannot modify.")
+                qd.add("clsact")
+                return ""
+            if args[1] == "del" and args[-1] == "clsact":
+                qd.discard("clsact")
+                self.tc_filters.pop((dev, "egress"), None)
+                self.tc_filters.pop((dev, "ingress"), None)
+                return ""
+        if args[0] == "filter":
+            direction = "egress" if "egress" in args else "ingress"
+            table = self.tc_filters.setdefault((dev, direction), {})
+            if args[1] == "show":
+                out: list[dict[str, object]] = []
+                for pref, entry in sorted(table.items()):
+                    out.append({"protocol": "ip", "pref": pref, "kind": "flower", "chain": 0})
+                    out.append({"protocol": "ip", "pref": pref, **entry})
+                return json.dumps(out)
+            if "clsact" not in qd:
+                raise _Fail(2, "Error: Parent Qdisc doesn't exists.")
+            pref = int(args[args.index("pref") + 1])
+            if args[1] in ("replace", "add"):
+                handle = int(args[args.index("handle") + 1], 0)
+                val = args[args.index("set") + 1]
+                prio = args[args.index("priority") + 1]
+                table[pref] = {
+                    "kind": "flower",
+                    "chain": 0,
+                    "options": {
+                        "handle": handle,
+                        "keys": {
+                            "eth_type": "ipv4",
+                            "ip_proto": "udp",
+                            "dst_port": int(args[args.index("dst_port") + 1]),
+                        },
+                        "not_in_hw": True,
+                        "actions": [
+                            {
+                                "order": 1,
+                                "kind": "pedit",
+                                "keys": [
+                                    {
+                                        "htype": "ipv4",
+                                        "offset": 0,
+                                        "cmd": "set",
+                                        "val": f"{int(val, 16) << 16:x}",
+                                        "mask": "ff03ffff",
+                                    }
+                                ],
+                            },
+                            {"order": 2, "kind": "csum", "csum": "iph"},
+                            {"order": 3, "kind": "skbedit", "priority": f":{int(prio):x}"},
+                        ],
+                    },
+                }
+                return ""
+            if args[1] == "del":
+                if pref not in table:
+                    raise _Fail(2, "Error: Filter with specified priority/protocol not found.")
+                del table[pref]
+                return ""
+        raise _Fail(1, f"fake tc: unsupported {args}")
+
+
+class _Fail(Exception):
+    def __init__(self, rc: int, msg: str) -> None:
+        super().__init__(msg)
+        self.rc = rc
+        self.msg = msg
+
+
+# --- the standard cases ----------------------------------------------------------------------
+
+
+def mellanox_node(root: Path) -> tuple[SysfsTree, FakeKernel]:
+    """One ConnectX-6 Dx port with DCB and mlx5-style ECN/CNP knobs."""
+    t = SysfsTree(root)
+    t.configfs()
+    t.netdev("ens1f0", pci="0000:3b:00.0", ipv4=["192.168.10.5/24"], ecn=True, cnp=True, mtu=9000)
+    t.netdev("eno1", pci="0000:01:00.0", vendor="0x8086", device="0x1521", driver="igb")
+    t.rdma("mlx5_0", netdev="ens1f0")
+    k = FakeKernel(t, dcb_devices={"ens1f0", "eno1"})
+    return t, k
+
+
+def softroce_node(root: Path, *, veth: bool = False) -> tuple[SysfsTree, FakeKernel]:
+    """A guest: virtio (or veth) netdev, no DCB, no RDMA device yet."""
+    t = SysfsTree(root)
+    t.configfs(rdma_cm=False)
+    if veth:
+        t.netdev("veth0", kind="veth", ipv4=["192.168.77.11/24"], speed=10000)
+    else:
+        t.netdev("eth0", virtio=True, ipv4=["192.168.77.11/24"], speed=None)
+    t.netdev("mgmt0", virtio=True, ipv4=["10.0.2.15/24"], speed=None)
+    k = FakeKernel(t)
+    return t, k
+
+
+def no_rdma_node(root: Path) -> tuple[SysfsTree, FakeKernel]:
+    t = SysfsTree(root)
+    t.configfs()
+    t.netdev("eno1", pci="0000:01:00.0", vendor="0x8086", device="0x1521", driver="igb")
+    return t, FakeKernel(t, dcb_devices=set())
+
+
+def port_down_node(root: Path) -> tuple[SysfsTree, FakeKernel]:
+    t = SysfsTree(root)
+    t.configfs()
+    t.netdev("ens1f0", pci="0000:3b:00.0", ipv4=["192.168.10.5/24"], ecn=True)
+    t.netdev("ens1f1", pci="0000:3b:00.1", ipv4=["192.168.11.5/24"], ecn=True, operstate="down")
+    t.rdma("mlx5_0", netdev="ens1f0")
+    t.rdma("mlx5_1", netdev="ens1f1", state="1: DOWN", phys_state="3: Disabled")
+    return t, FakeKernel(t, dcb_devices={"ens1f0", "ens1f1"})
+
+
+def two_numa_node(root: Path) -> tuple[SysfsTree, FakeKernel]:
+    t = SysfsTree(root)
+    t.configfs()
+    t.netdev("ens1f0", pci="0000:3b:00.0", numa=0, ipv4=["192.168.10.5/24"], ecn=True)
+    t.netdev("ens7f0", pci="0000:af:00.0", numa=1, ipv4=["192.168.20.5/24"], ecn=True)
+    t.rdma("mlx5_0", netdev="ens1f0")
+    t.rdma("mlx5_1", netdev="ens7f0")
+    return t, FakeKernel(t, dcb_devices={"ens1f0", "ens7f0"})
