@@ -384,12 +384,20 @@ def _stop_all_at_exit() -> None:
 atexit.register(_stop_all_at_exit)
 
 
+def _on_sigterm(signum: int, _frame: object) -> None:
+    # Tear down first, then die of the same signal: raising SystemExit instead would be
+    # caught by a test runner as one failed test while the session (and the cluster) went on.
+    _stop_all_at_exit()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
 def _install_sigterm_handler() -> None:
-    # SIGTERM would bypass atexit; turn it into SystemExit so teardown runs.
+    # SIGTERM would bypass atexit and leave processes, namespaces and temp dirs behind.
     if threading.current_thread() is threading.main_thread() and signal.getsignal(
         signal.SIGTERM
     ) in (signal.SIG_DFL, None):
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        signal.signal(signal.SIGTERM, _on_sigterm)
 
 
 class LocalCluster:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
+import sys
 from pathlib import Path
 
 from kubernetes import client
@@ -79,3 +81,26 @@ def test_build_script_with_unreachable_proxy_says_so_in_one_line(tmp_path: Path)
     errors = [line for line in proc.stderr.splitlines() if "ERROR" in line]
     assert len(errors) == 1 and "module proxy" in errors[0], proc.stderr
     shutil.rmtree(tmp_path / "mod", ignore_errors=True)
+
+
+def test_sigterm_tears_the_cluster_down_and_ends_the_process() -> None:
+    from metaroce_harness.cluster import leftovers
+
+    code = (
+        "import time\n"
+        "from metaroce_harness.cluster import LocalCluster\n"
+        "LocalCluster().start()\n"
+        "print('up', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "up"
+    running = leftovers(proc.pid)
+    pids = [int(item.split()[1]) for item in running if item.startswith("process ")]
+    assert len(pids) == 5, f"the child's cluster should be running: {running}"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == -signal.SIGTERM, "SIGTERM must end the process, after teardown"
+    assert leftovers(proc.pid) == []
+    # Orphans would be re-parented, so check the component pids themselves too.
+    assert [pid for pid in pids if Path(f"/proc/{pid}").exists() and not _is_zombie(pid)] == []
