@@ -36,8 +36,13 @@ class Process:
         self.kube = Kube(
             self.creds, user_agent=f"metaroce-operator/{__version__} ({settings.identity})"
         )
+        # The lease has a client (connections) of its own: renewals never queue behind
+        # the controller's requests.
+        self.lease_kube = Kube(
+            self.creds, user_agent=f"metaroce-operator/{__version__} ({settings.identity}) lease"
+        )
         self.elector = LeaderElector(
-            self.kube,
+            self.lease_kube,
             namespace=settings.lease_namespace,
             name=settings.lease_name,
             identity=settings.identity,
@@ -91,6 +96,7 @@ class Process:
             for runner in self.runners:
                 await runner.cleanup()
             await self.kube.close()
+            await self.lease_kube.close()
         log.info("stopped")
         return 0
 

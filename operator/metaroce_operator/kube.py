@@ -236,6 +236,7 @@ class Kube:
         params: Mapping[str, str] | None = None,
         body: Any = None,
         content_type: str = "application/json",
+        timeout: float | None = None,
     ) -> dict[str, Any]:
         """One API call; JSON in, JSON out. Raises `ApiError` or `NotLeader`."""
         if method != "GET" and self.gate is not None and not self.gate():
@@ -252,7 +253,12 @@ class Kube:
             self.writes += 1
         session = await self.session()
         async with session.request(
-            method, self.creds.server + path, params=params, data=data, headers=headers
+            method,
+            self.creds.server + path,
+            params=params,
+            data=data,
+            headers=headers,
+            timeout=aiohttp.ClientTimeout(total=timeout or self._root().timeout),
         ) as resp:
             text = await resp.text()
             if resp.status >= 400:
@@ -400,7 +406,10 @@ class Kube:
         self, kind: Kind, namespace: str | None = None, *, label_selector: str
     ) -> None:
         """Delete every object of `kind` matching the selector, in one request."""
-        await self.request("DELETE", kind.path(namespace), params={"labelSelector": label_selector})
+        # The apiserver deletes one by one before answering: allow it time.
+        await self.request(
+            "DELETE", kind.path(namespace), params={"labelSelector": label_selector}, timeout=300
+        )
 
     async def delete(
         self,

@@ -112,6 +112,8 @@ class LeaderElector:
         self._observed_since = 0.0
         self._leading = False
         self._last_renew = -1e18
+        self._held: dict[str, Any] | None = None
+        """Our last written Lease (renewals write on top of it)."""
         self.last_contact = -1e18
         """Last successful API round trip (readiness)."""
         self.heartbeat = clock()
@@ -132,6 +134,7 @@ class LeaderElector:
         return self._observed.holder if self._observed else ""
 
     def _lose(self, why: str) -> None:
+        self._held = None
         if self._leading:
             log.warning(
                 "lost the lease %s/%s: %s; stopping at once", self.namespace, self.name, why
@@ -144,6 +147,22 @@ class LeaderElector:
     async def try_acquire_or_renew(self) -> bool:
         now_wall = datetime.now(UTC)
         duration = max(round(self.lease_duration), 1)
+        if self._leading and self._held is not None:
+            # Renewal: one write on top of our own last write (a quorum GET first doubles
+            # the round trips when etcd is slow); a conflict means someone else wrote.
+            held = dict(self._held)
+            held["spec"] = next_spec(Record.from_lease(held), self.identity, duration, now_wall)
+            try:
+                updated = await self.kube.replace(held)
+            except ApiError as err:
+                if err.status != 409:
+                    raise
+            else:
+                self.last_contact = self.clock()
+                self._held = updated
+                self._observe(Record.from_lease(updated))
+                return True
+        self._held = None
         lease = await self.kube.get_or_none(LEASE, self.name, self.namespace)
         self.last_contact = self.clock()
         if lease is None:
@@ -160,6 +179,7 @@ class LeaderElector:
                     return False
                 raise
             self._observe(Record.from_lease(created))
+            self._held = created
             return True
         record = Record.from_lease(lease)
         self._observe(record)
@@ -173,6 +193,7 @@ class LeaderElector:
                 return False  # someone else wrote first
             raise
         self._observe(Record.from_lease(updated))
+        self._held = updated
         return True
 
     def _observe(self, record: Record) -> None:
@@ -225,7 +246,7 @@ class LeaderElector:
                 )
             except Exception as err:
                 metrics.ERRORS.labels(where="lease").inc()
-                log.warning("renewing the lease failed: %s", err)
+                log.warning("renewing the lease failed: %r", err)
                 continue
             if not ok:
                 self._lose(f"{self.holder or 'another replica'} holds it now")
