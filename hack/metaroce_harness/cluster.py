@@ -710,6 +710,15 @@ class LocalCluster:
             f"https://{GUEST_HOST_ADDRESS}:{self._api_port}", self.ca.pair, self.admin_pair
         )
 
+    def pod_network_kubeconfig(self) -> Path:
+        """Admin kubeconfig for processes in the pod network (they reach the host's veth)."""
+        assert self.pod_network is not None, "the cluster is not started"
+        path = self._dir / "podnet-admin.kubeconfig"
+        if not path.exists():
+            server = f"https://{self.pod_network.host_ip}:{self._api_port}"
+            path.write_text(kubeconfig_yaml(server, self.ca.pair, self.admin_pair))
+        return path
+
     def kubeconfig_for(self, user: str, groups: Sequence[str] = ()) -> Path:
         """A kubeconfig authenticating as `user` (for RBAC checks of real identities)."""
         stem = "user-" + user.replace(":", "_").replace("/", "_")

@@ -16,19 +16,9 @@ import pytest
 import yaml
 
 from metaroce_harness.cluster import FakeNode, HarnessError, LocalCluster, free_port
+from metaroce_harness.polling import wait_for
 
 HERE = Path(__file__).parent
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 60) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.25)
 
 
 def pods(cluster: LocalCluster, namespace: str, selector: str) -> list[dict[str, Any]]:

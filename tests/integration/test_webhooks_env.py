@@ -19,41 +19,19 @@ import secrets
 import socket
 import ssl
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import yaml
 from cryptography import x509
 
 from metaroce_api import constants as c
 from metaroce_harness.cluster import Component, FakeNode, LocalCluster, free_port
+from metaroce_harness.polling import wait_for as wait_for  # re-exported for the tests
 from metaroce_operator.webhooks import certs
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "metaroce"
 CRDS = REPO / "crds"
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 60, every: float = 0.2) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(every)
-
-
-def kubeconfig_via(kubeconfig: Path, host: str, out: Path) -> Path:
-    """A copy of `kubeconfig` that reaches the apiserver at `host` (from the pod netns)."""
-    doc = yaml.safe_load(kubeconfig.read_text())
-    for cluster in doc["clusters"]:
-        cluster["cluster"]["server"] = cluster["cluster"]["server"].replace("127.0.0.1", host)
-    out.write_text(yaml.safe_dump(doc))
-    return out
 
 
 def apply_crds(cluster: LocalCluster) -> None:
@@ -76,11 +54,7 @@ class WebhookEnv:
         self.validating = f"{fullname}-networks"
         self.port = free_port()
         self.metrics_port = free_port()
-        self.kubeconfig = kubeconfig_via(
-            cluster.kubeconfig,
-            cluster.pod_network.host_ip,
-            cluster.workdir / f"webhook-{self.tag}.kubeconfig",
-        )
+        self.kubeconfig = cluster.pod_network_kubeconfig()
         self.api = cluster.api_client()
         self.replica: Component | None = None
         self.nodes: list[str] = []

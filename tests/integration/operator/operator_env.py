@@ -21,11 +21,10 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from metaroce_api import (
@@ -42,6 +41,7 @@ from metaroce_api import (
     nodestate_name,
 )
 from metaroce_api import constants as c
+from metaroce_harness.polling import wait_for as wait_for  # re-exported for the tests
 from metaroce_operator.kube import KINDS, ApiError, Kube, load_credentials
 from metaroce_operator.render.common import child_name
 
@@ -50,17 +50,6 @@ CRD_DIR = REPO / "crds"
 POD = KINDS[("v1", "Pod")]
 CONFIGMAP = KINDS[("v1", "ConfigMap")]
 NODESTATE = KINDS[(c.API_VERSION, c.NODESTATE_KIND)]
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 60, every: float = 0.25) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(every)
 
 
 def network_manifest(name: str, **spec: Any) -> dict[str, Any]:
@@ -72,15 +61,6 @@ def network_manifest(name: str, **spec: Any) -> dict[str, Any]:
         "metadata": {"name": name},
         "spec": base,
     }
-
-
-def kubeconfig_via(kubeconfig: Path, host: str, out: Path) -> Path:
-    """A copy of `kubeconfig` that reaches the apiserver at `host` (for the pod netns)."""
-    doc = yaml.safe_load(kubeconfig.read_text())
-    for cluster in doc["clusters"]:
-        cluster["cluster"]["server"] = cluster["cluster"]["server"].replace("127.0.0.1", host)
-    out.write_text(yaml.safe_dump(doc))
-    return out
 
 
 def cpu_seconds(pid: int) -> float:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 from conftest import OperatorEnv
-from operator_env import kubeconfig_via, network_manifest, wait_for
+from operator_env import network_manifest, wait_for
 
 from metaroce_api import constants as c
 
@@ -19,7 +19,7 @@ def test_only_the_leader_acts_and_the_other_takes_over(env: OperatorEnv) -> None
     assert podnet is not None
     args = env.chart_args()
     a = env.start_operator(args=args, identity="operator-a")
-    kubeconfig_b = kubeconfig_via(env.cluster.kubeconfig, podnet.host_ip, env.tmp / "b.kubeconfig")
+    kubeconfig_b = env.cluster.pod_network_kubeconfig()
     b = env.start_operator(
         args=args,
         identity="operator-b",
