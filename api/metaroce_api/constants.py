@@ -87,3 +87,47 @@ REASON_NIC_CONFLICT: Final = "NicConflict"
 REASON_RENDER_FAILED: Final = "RenderFailed"
 REASON_CLEANING_UP: Final = "CleaningUp"
 REASON_AS_EXPECTED: Final = "AsExpected"
+
+# --- pod attachment: webhooks and device plugin ---------------------------------------------
+CONTAINER_ANNOTATION: Final = f"{GROUP}/container"
+"""On a Pod: which container NCCL runs in (the one the webhook injects into; default the
+first)."""
+PROBE_ENDPOINT_ANNOTATION: Final = f"{GROUP}/probe-endpoint"
+"""On a NodeState: `<ip>:<port>` of the agent's RDMA probe side channel, for peer agents."""
+WEBHOOK_MUTATE_PATH: Final = "/mutate-pod"
+"""Path of the pod mutating webhook (the chart's `pods.metaroce.io` clientConfig)."""
+WEBHOOK_VALIDATE_PATH: Final = "/validate-network"
+"""Path of the network validating webhook (the chart's `networks.metaroce.io`)."""
+POD_WEBHOOK_NAME: Final = f"pods.{GROUP}"
+NETWORK_WEBHOOK_NAME: Final = f"networks.{GROUP}"
+WEBHOOK_CERT_SECRET_TEMPLATE: Final = "{fullname}-webhook-tls"
+"""The chart's `metaroce.certSecret`: the Secret holding the webhook's CA and certificate."""
+WEBHOOK_SERVICE_TEMPLATE: Final = "{fullname}-webhook"
+"""The chart's `metaroce.webhookService`."""
+POD_WEBHOOK_CONFIG_TEMPLATE: Final = "{fullname}-pods"
+"""The chart's MutatingWebhookConfiguration name."""
+NETWORK_WEBHOOK_CONFIG_TEMPLATE: Final = "{fullname}-networks"
+"""The chart's ValidatingWebhookConfiguration name."""
+DEVICE_PLUGIN_SOCKET_PREFIX: Final = "metaroce-"
+"""Our sockets in the kubelet's device-plugin directory: `metaroce-<resource>.sock`."""
+REASON_CLEANUP_TIMED_OUT: Final = "CleanupTimedOut"
+"""Degraded: a deleted network's agents did not all report `reverted` in time."""
+REASON_LOSSY_ON_GO_BACK_N: Final = "LossyProfileOnGoBackN"
+"""Degraded: qos.profile lossy with a go-back-N transport (rocev2, softroce)."""
+
+# --- the node agent ----------------------------------------------------------------------
+AGENT_METRICS_PORT: Final = 9478
+"""The agent's Prometheus endpoint (host network)."""
+AGENT_PROBE_PORT: Final = 47911
+"""The agent's RDMA probe side channel (TCP, host network)."""
+
+# NodeState Ready condition reasons (CamelCase, as metav1.Condition requires).
+NODESTATE_REASON_APPLIED: Final = "Applied"
+NODESTATE_REASON_DEGRADED: Final = "Degraded"
+NODESTATE_REASON_APPLY_FAILED: Final = "ApplyFailed"
+NODESTATE_REASON_PLAN_BLOCKED: Final = "PlanBlocked"
+NODESTATE_REASON_REVERTED: Final = "Reverted"
+NODESTATE_REASON_PENDING: Final = "Pending"
+DEVICE_PLUGIN_DIR: Final = "/var/lib/kubelet/device-plugins"
+"""The kubelet's device-plugin directory (its registration socket `kubelet.sock` and ours);
+the agent DaemonSet mounts it from the host."""

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from metaroce_agent.kube import KubeClient, KubeError, cluster_path
-from metaroce_agent.report import PROBE_ENDPOINT_ANNOTATION, now
+from metaroce_agent.report import now
 from metaroce_api import ProbePeer, ProbeSummary, constants
 from metaroce_api.base import parse_duration
 
@@ -495,7 +495,7 @@ class Prober:
 
         def publish(endpoint: str) -> None:
             if agent.writer is not None:
-                agent.writer.set_annotation(PROBE_ENDPOINT_ANNOTATION, endpoint)
+                agent.writer.set_annotation(constants.PROBE_ENDPOINT_ANNOTATION, endpoint)
                 agent.report()
 
         return cls(
@@ -542,7 +542,7 @@ class Prober:
         for item in data.get("items") or []:
             node = (item.get("spec") or {}).get("node")
             ep = ((item.get("metadata") or {}).get("annotations") or {}).get(
-                PROBE_ENDPOINT_ANNOTATION
+                constants.PROBE_ENDPOINT_ANNOTATION
             )
             if node and ep and node != self.node:
                 out[str(node)] = str(ep)

@@ -7,6 +7,10 @@ nodes get relabelled later; so the leader re-checks from what is there now:
   constrain has an overlapping pair: globs that can match one name, equal PCI ids, equal
   drivers) on a node both node selectors match;
 - observed: both networks' agents report the same netdev on the same node.
+
+The network created later (creationTimestamp, then name) yields: the operator does not
+create or update its agent DaemonSet while such a conflict stands (`holding_conflicts`),
+and resumes when it is gone. The older network keeps its NICs and its Ready condition.
 """
 
 from __future__ import annotations
@@ -188,6 +192,18 @@ class Conflict:
             "or spec.nodeSelector of the two networks disjoint (or delete one network)"
         )
 
+    def held_message(self) -> str:
+        """For the network that yields: why its agents are not rolled out."""
+        return (
+            f"rollout held: {self.message()}. {self.other!r} was created first, so the "
+            "agent DaemonSet of this network is not created or updated until the conflict "
+            "is gone; it resumes by itself then"
+        )
+
+    def yielded_message(self) -> str:
+        """For the network that keeps its NICs."""
+        return f"{self.message()}. {self.other!r} was created later: its rollout is held"
+
 
 def find_conflicts(
     networks: Iterable[MetaRoceNetwork],
@@ -241,3 +257,28 @@ def _pair(
     if not nodes:
         return None
     return nodes, overlap, False
+
+
+def created_order(body: Mapping[str, object]) -> tuple[str, str]:
+    """The order in which a conflict is decided: creationTimestamp (RFC 3339 UTC sorts
+    as text), then name."""
+    meta = body.get("metadata")
+    meta = meta if isinstance(meta, Mapping) else {}
+    return (str(meta.get("creationTimestamp") or "~"), str(meta.get("name") or ""))
+
+
+def holding_conflicts(
+    name: str,
+    networks: Mapping[str, MetaRoceNetwork],
+    order: Mapping[str, tuple[str, str]],
+    node_labels: Mapping[str, Mapping[str, str]],
+    netdevs: Mapping[str, Mapping[str, Iterable[str]]],
+) -> list[Conflict]:
+    """The conflicts of network `name` with networks created before it (which win).
+
+    `networks` includes `name`; `order` is `created_order` of each. A network without a
+    creationTimestamp yet ("~") sorts last, so it never holds an existing one.
+    """
+    found = find_conflicts(networks.values(), node_labels, netdevs).get(name, [])
+    mine = order.get(name, ("~", name))
+    return [conflict for conflict in found if order.get(conflict.other, ("~", "")) < mine]

@@ -10,7 +10,10 @@ write gate closes the moment the lease is lost.
 - status: watch events only mark a network dirty; `BatchLoop` computes its status at
   most once per interval and writes only when it differs (idle = no writes).
 - node pass (periodic): garbage-collects NodeStates of nodes and networks that are gone,
-  re-checks NIC conflicts between networks, sets and clears probe taints.
+  re-checks NIC conflicts between networks (resuming a held rollout once its conflict
+  is gone), sets and clears probe taints.
+- NIC conflicts: a network that conflicts with an older one is held: its children are
+  not applied (no DaemonSet onto the contested NICs) until the conflict is gone.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 from collections import defaultdict
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +30,13 @@ from metaroce_api import InvalidObject, MetaRoceNetwork, validate_network
 from metaroce_api import constants as c
 from metaroce_operator import cleanup, crash, events, metrics, probes, taints
 from metaroce_operator.apply import ApplyFailed, apply_children
-from metaroce_operator.conflicts import find_conflicts, selector_matches
+from metaroce_operator.conflicts import (
+    Conflict,
+    created_order,
+    find_conflicts,
+    holding_conflicts,
+    selector_matches,
+)
 from metaroce_operator.informer import Informer
 from metaroce_operator.kube import KINDS, ApiError, Kube, NotLeader
 from metaroce_operator.observed import DaemonSetView, NodeReport, NodeView
@@ -43,6 +52,7 @@ from metaroce_operator.status import (
     invalid_status,
     now_utc,
     parse_status,
+    rollout_settled,
     same_status,
     transition_events,
 )
@@ -95,6 +105,9 @@ class Store:
         self.errors: dict[str, tuple[str, str]] = {}
         self.eligible: dict[str, frozenset[str]] = {}
         self.conflicts: dict[str, tuple[str, ...]] = {}
+        self.yielded: dict[str, tuple[str, ...]] = {}
+        self.held: dict[str, tuple[str, ...]] = {}
+        """Networks whose rollout waits for a NIC conflict with an older network to go."""
         self.taint_notes: dict[str, str] = {}
         self.unhealthy: dict[str, frozenset[str]] = {}
 
@@ -116,6 +129,8 @@ class Store:
             self.errors,
             self.eligible,
             self.conflicts,
+            self.yielded,
+            self.held,
             self.taint_notes,
             self.unhealthy,
         ):
@@ -190,9 +205,15 @@ class Controller:
             self.batch.forget(name)
             metrics.forget_network(name)
             self._spawn(self._delete_nodestates(name), f"delete NodeStates of {name}")
+            if self.store.held:
+                self._kick.set()  # a held network may resume now
             return
+        old = self.store.networks.get(name)
         if self.store.set_network(body):
             self.batch.mark(name)
+            generation = (old or {}).get("metadata", {}).get("generation")
+            if self.store.held and generation != body["metadata"].get("generation"):
+                self._kick.set()  # a changed spec may end the conflict holding another
 
     def _nodestate_event(self, event_type: str | None, body: dict[str, Any]) -> None:
         name = (body.get("metadata") or {}).get("name", "")
@@ -207,7 +228,31 @@ class Controller:
             return
         self.store.reports[report.network][report.node] = report
         self.store.report_keys[name] = (report.network, report.node)
-        self.batch.mark(report.network)
+        self.batch.mark(report.network, urgent=self._completes_rollout(report.network))
+
+    def _completes_rollout(self, name: str) -> bool:
+        """Whether the report just stored is the last one a rollout waited for, and the
+        written status does not show that yet: then Ready is written at once rather than
+        an interval later. Once per rollout, so still no status write per node event."""
+        applied = self.store.applied.get(name)
+        reports = self.store.reports.get(name, {})
+        if applied is None or name in self.store.held:
+            return False
+        ds = self.store.daemonsets.get(name)
+        eligible = self.store.eligible.get(name)
+        if ds is not None and ds.observed_current:
+            desired = ds.desired
+        elif eligible is not None:
+            desired = len(eligible)
+        else:
+            return False
+        if len(reports) < desired:  # the common case during a rollout: O(1)
+            return False
+        body = self.store.networks.get(name) or {}
+        shown = (body.get("status") or {}).get("nodes") or {}
+        if int(shown.get("configured") or 0) + int(shown.get("failed") or 0) >= desired:
+            return False
+        return rollout_settled(reports, applied.config_generation, desired, eligible)
 
     def _daemonset_event(self, event_type: str | None, body: dict[str, Any]) -> None:
         meta = body.get("metadata") or {}
@@ -302,6 +347,12 @@ class Controller:
             self._fail(name, c.REASON_INVALID_SPEC, str(err))
             raise PermanentFailure(str(err)) from None
         generation = network.metadata.generation or 0
+        held = await self._holding_conflicts(name, network)
+        if held:
+            await self._hold(name, body, held)
+            return
+        if self.store.held.pop(name, None) is not None:
+            log.info("%s: its NIC conflict is gone; rolling out", name)
         namespace = self.settings.render.namespace
         digest = config_hash(agent_config(network))
         existing = await self.kube.get_or_none(CONFIGMAP, child_name(name), namespace)
@@ -326,6 +377,46 @@ class Controller:
             config_gen,
         )
         self.batch.mark(name)
+
+    async def _holding_conflicts(self, name: str, network: MetaRoceNetwork) -> list[Conflict]:
+        """Conflicts with older networks, from a fresh list (a network created a moment
+        ago counts; one being deleted still owns its NICs until it is gone)."""
+        bodies = await self.kube.list_items(NETWORK)
+        if len(bodies) < 2:
+            return []
+        networks: dict[str, MetaRoceNetwork] = {name: network}
+        order = {name: created_order(self.store.networks.get(name) or {})}
+        for other in bodies:
+            other_name = other["metadata"]["name"]
+            if other_name == name:
+                order[name] = created_order(other)
+                continue
+            with contextlib.suppress(InvalidObject):
+                networks[other_name] = validate_network(other)
+                order[other_name] = created_order(other)
+        nodes = await self.kube.list_items(NODE, cached=True)
+        labels = {v.name: v.labels for v in map(NodeView.from_body, nodes)}
+        return holding_conflicts(name, networks, order, labels, self._netdevs())
+
+    async def _hold(self, name: str, body: dict[str, Any], held: list[Conflict]) -> None:
+        messages = tuple(conflict.held_message() for conflict in held)
+        if self.store.held.get(name) != messages:
+            log.warning("%s: rollout held: %s", name, "; ".join(m for m in messages))
+        self.store.held[name] = messages
+        self.store.errors.pop(name, None)
+        has = c.CLEANUP_FINALIZER in cleanup.finalizers(body)
+        if cleanup.wants_finalizer(body) != has:
+            await cleanup.set_finalizer(
+                self.kube, name, cleanup.wants_finalizer(body), c.FIELD_MANAGER
+            )
+        self.batch.mark(name)
+
+    def _netdevs(self) -> dict[str, dict[str, tuple[str, ...]]]:
+        """network -> node -> the netdevs its agent reports."""
+        return {
+            network: {node: r.netdevs for node, r in by_node.items() if r.netdevs}
+            for network, by_node in self.store.reports.items()
+        }
 
     def _fail(self, name: str, reason: str, message: str) -> None:
         self.store.errors[name] = (reason, message)
@@ -359,7 +450,7 @@ class Controller:
             return
         applied = self.store.applied.get(name)
         error = self.store.errors.get(name)
-        if applied is None and error is None:
+        if applied is None and error is None and name not in self.store.held:
             return  # not reconciled in this term yet: a status from nothing would flap
         previous = parse_status(body.get("status"))
         generation = int(body["metadata"].get("generation") or 0)
@@ -402,6 +493,8 @@ class Controller:
             verdicts=probes.judge(reports, network.spec.health.probe),
             eligible=self.store.eligible.get(name),
             conflicts=self.store.conflicts.get(name, ()),
+            held=self.store.held.get(name, ()),
+            yielded=self.store.yielded.get(name, ()),
             taint_note=self.store.taint_notes.get(name, ""),
             cleanup=cleanup_view,
             error=error,
@@ -521,19 +614,52 @@ class Controller:
             if self.store.eligible.get(name) != eligible:
                 self.store.eligible[name] = eligible
                 self.batch.mark(name)
-        netdevs = {
-            network: {node: r.netdevs for node, r in by_node.items() if r.netdevs}
-            for network, by_node in self.store.reports.items()
-        }
-        for name, found in find_conflicts(valid.values(), labels, netdevs).items():
-            messages = tuple(conflict.message() for conflict in found)
-            if self.store.conflicts.get(name, ()) != messages:
-                self.store.conflicts[name] = messages
-                self.batch.mark(name)
-                for message in messages:
-                    log.warning("%s: NIC conflict: %s", name, message)
+        self._check_conflicts(valid, labels)
         for name, network in valid.items():
             await self._taints(name, network)
+
+    def _check_conflicts(
+        self, valid: dict[str, MetaRoceNetwork], labels: Mapping[str, Mapping[str, str]]
+    ) -> None:
+        """Re-check NIC conflicts; resume the rollout of a held network whose conflicts
+        with older networks are gone."""
+        contenders = dict(valid)
+        for name, body in self.store.networks.items():
+            if name not in contenders and cleanup.deleting(body):
+                with contextlib.suppress(InvalidObject):
+                    contenders[name] = validate_network(body)  # owns its NICs until gone
+        order = {name: created_order(self.store.networks.get(name) or {}) for name in contenders}
+        found = find_conflicts(contenders.values(), labels, self._netdevs())
+        for name in valid:
+            blocking: list[str] = []
+            yielded: list[str] = []
+            holding: list[str] = []
+            for conflict in found.get(name, []):
+                if order[conflict.other] < order[name]:
+                    holding.append(conflict.held_message())
+                    if name not in self.store.held:  # rolled out before the conflict arose
+                        blocking.append(conflict.message())
+                elif conflict.other in self.store.held:
+                    yielded.append(conflict.yielded_message())
+                else:
+                    blocking.append(conflict.message())
+            if name in self.store.held:
+                if not holding:
+                    log.info("%s: its NIC conflict is gone; resuming the rollout", name)
+                    self._spawn(self._reconcile_retrying(name), f"reconcile {name}")
+                elif tuple(holding) != self.store.held[name]:
+                    self.store.held[name] = tuple(holding)
+                    self.batch.mark(name)
+            for table, messages in (
+                (self.store.conflicts, tuple(blocking)),
+                (self.store.yielded, tuple(yielded)),
+            ):
+                if table.get(name, ()) != messages:
+                    table[name] = messages
+                    self.batch.mark(name)
+                    if table is self.store.conflicts:
+                        for message in messages:
+                            log.warning("%s: NIC conflict: %s", name, message)
 
     async def _collect_garbage(self, live_networks: set[str]) -> None:
         nodes = self.store.nodes or {}

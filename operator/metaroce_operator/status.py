@@ -27,7 +27,6 @@ from metaroce_api import (
     TransportSummary,
 )
 from metaroce_api import constants as c
-from metaroce_operator import shim
 from metaroce_operator.observed import DaemonSetView, NodeReport
 from metaroce_operator.probes import Verdict
 
@@ -71,6 +70,11 @@ class Observed:
     eligible: frozenset[str] | None = None
     """Nodes the selector matches (None: unknown yet); reports from others are ignored."""
     conflicts: Sequence[str] = ()
+    """NIC conflicts with networks whose agents may configure the same NICs: not Ready."""
+    held: Sequence[str] = ()
+    """Conflicts with older networks: this network's rollout is held until they are gone."""
+    yielded: Sequence[str] = ()
+    """Conflicts with newer networks whose rollout is held: Degraded, still Ready."""
     taint_note: str = ""
     cleanup: CleanupView | None = None
     error: tuple[str, str] | None = None
@@ -135,6 +139,27 @@ def _tally(obs: Observed) -> _Tally:
             t.healthy += 1
     t.failing = (t.failing + failing_unhealthy)[:MAX_FAILING_NODES]
     return t
+
+
+def rollout_settled(
+    reports: Mapping[str, NodeReport],
+    config_generation: int | None,
+    desired: int,
+    eligible: frozenset[str] | None,
+) -> bool:
+    """Whether every one of `desired` nodes has a final answer for the current config
+    (configured, or failed): counted as `_tally` does, in one cheap pass."""
+    if desired <= 0 or len(reports) < desired or config_generation is None:
+        return False
+    settled = 0
+    for node, report in reports.items():
+        if eligible is not None and node not in eligible:
+            continue
+        if report.phase == "Failed" or (
+            report.config_generation == config_generation and report.phase in CONFIGURED_PHASES
+        ):
+            settled += 1
+    return settled >= desired
 
 
 def _transport(modes: Mapping[str, int]) -> TransportSummary:
@@ -202,6 +227,8 @@ def compute_status(
     name = network.name
     generation = network.metadata.generation or 0
     observed_gen = obs.applied_generation
+    if obs.held and obs.error is None:
+        observed_gen = generation  # seen, and deliberately not rolled out
     if observed_gen is None and previous is not None:
         observed_gen = previous.observed_generation
     ds = obs.daemonset
@@ -235,14 +262,14 @@ def compute_status(
         pending = obs.cleanup.pending
         problems.append(
             (
-                shim.REASON_CLEANUP_TIMED_OUT,
+                c.REASON_CLEANUP_TIMED_OUT,
                 f"{len(pending)} node(s) did not report reverted within "
                 f"{obs.cleanup.timeout_seconds:g}s: {', '.join(pending[:10])}"
                 f"{' ...' if len(pending) > 10 else ''}; their RDMA settings may remain: "
                 "check those nodes (metaroce doctor) before reusing them",
             )
         )
-    for conflict in obs.conflicts:
+    for conflict in (*obs.held, *obs.conflicts, *obs.yielded):
         problems.append((c.REASON_NIC_CONFLICT, conflict))
     failed_message = ""
     if t.failed:
@@ -262,7 +289,7 @@ def compute_status(
             )
         )
     if lossy:
-        problems.append((shim.REASON_LOSSY_ON_GO_BACK_N, lossy))
+        problems.append((c.REASON_LOSSY_ON_GO_BACK_N, lossy))
 
     # --- Ready ---------------------------------------------------------------------------
     if obs.error is not None:
@@ -274,6 +301,8 @@ def compute_status(
             f"the network is being deleted; waiting for {len(obs.cleanup.pending)} node(s) "
             "to report their settings reverted",
         )
+    elif obs.held:
+        ready = (False, c.REASON_NIC_CONFLICT, obs.held[0])
     elif obs.conflicts:
         ready = (False, c.REASON_NIC_CONFLICT, obs.conflicts[0])
     elif ds is None or obs.applied_generation is None or not ds.observed_current:
@@ -314,6 +343,8 @@ def compute_status(
         progressing = (True, c.REASON_CLEANING_UP, "reverting node settings before deletion")
     elif obs.error is not None:
         progressing = (False, obs.error[0], "fix the spec; nothing is rolled out until then")
+    elif obs.held:
+        progressing = (False, c.REASON_NIC_CONFLICT, obs.held[0])
     elif rolling:
         if ds is not None and ds.observed_current:
             message = f"{ds.updated}/{desired} agents updated, {ds.available} available"
@@ -442,7 +473,7 @@ def transition_events(
     for event in events:
         unique.setdefault((event.type, event.reason), event)
     events = list(unique.values())
-    lossy = shim.REASON_LOSSY_ON_GO_BACK_N
+    lossy = c.REASON_LOSSY_ON_GO_BACK_N
     if new_deg is not None and new_deg.status == "True" and _mentions(new_deg, lossy):
         already = any(e.reason == lossy for e in events)
         seen_before = (
@@ -462,7 +493,7 @@ def _mentions(cond: Condition, reason: str) -> bool:
 
 
 def _lossy_message(message: str) -> str:
-    marker = f"{shim.REASON_LOSSY_ON_GO_BACK_N}: "
+    marker = f"{c.REASON_LOSSY_ON_GO_BACK_N}: "
     if marker in message:
         return message.split(marker, 1)[1].split("; ", 1)[0]
     return message
@@ -477,6 +508,10 @@ class BatchLoop:
     `mark(key)` is cheap and synchronous (event handlers call it); the loop wakes, waits
     until the key's interval since its last flush has passed, then calls `flush(key)`.
     Keys marked while being flushed are flushed again in the next round.
+
+    `mark(key, urgent=True)` flushes without waiting out the interval: for the one event
+    a person waits for (the last node of a rollout reported), so that Ready is written at
+    once instead of up to an interval later. Callers make it rare (once per rollout).
     """
 
     def __init__(
@@ -492,16 +527,20 @@ class BatchLoop:
         self.clock = clock or (lambda: asyncio.get_running_loop().time())
         self.on_error = on_error
         self.dirty: set[str] = set()
+        self.urgent: set[str] = set()
         self.last_flush: dict[str, float] = {}
         self._wake = asyncio.Event()
         self.flushes = 0
 
-    def mark(self, key: str) -> None:
+    def mark(self, key: str, *, urgent: bool = False) -> None:
         self.dirty.add(key)
+        if urgent:
+            self.urgent.add(key)
         self._wake.set()
 
     def forget(self, key: str) -> None:
         self.dirty.discard(key)
+        self.urgent.discard(key)
         self.last_flush.pop(key, None)
 
     async def run(self) -> None:
@@ -511,6 +550,7 @@ class BatchLoop:
                 await self._wake.wait()
             now = self.clock()
             due = {k for k in self.dirty if now - self.last_flush.get(k, -1e18) >= self.interval}
+            due |= self.urgent & self.dirty
             if not due:
                 wait = min(self.last_flush[k] + self.interval for k in self.dirty) - now
                 self._wake.clear()
@@ -519,6 +559,7 @@ class BatchLoop:
                 continue
             for key in sorted(due):
                 self.dirty.discard(key)
+                self.urgent.discard(key)
                 self.last_flush[key] = self.clock()
                 try:
                     await self.flush(key)

@@ -5,8 +5,9 @@
 - `LoadGenerator`: stands in for the node agents. It watches the agent pods of one
   network and, only once a pod is Running on its node, writes that node's
   MetaRoceNodeState (built with the API models) for the config generation in the
-  network's ConfigMap, as a real agent would after applying it. Tests can make nodes
-  fail, fail their probes, or report reverted.
+  network's ConfigMap, as a real agent would after applying it, through the agent's own
+  `NodeStateWriter` and `KubeClient` (the same requests a real agent makes). Tests can
+  make nodes fail, fail their probes, or report reverted.
 """
 
 from __future__ import annotations
@@ -21,12 +22,16 @@ import sys
 import threading
 import time
 import urllib.request
+from collections import defaultdict
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from metaroce_agent.kube import KubeClient
+from metaroce_agent.report import NodeStateWriter
 from metaroce_api import (
     AgentConfig,
     AgentError,
@@ -42,7 +47,7 @@ from metaroce_api import (
 )
 from metaroce_api import constants as c
 from metaroce_harness.polling import wait_for as wait_for  # re-exported for the tests
-from metaroce_operator.kube import KINDS, ApiError, Kube, load_credentials
+from metaroce_operator.kube import KINDS, Kube, load_credentials
 from metaroce_operator.render.common import child_name
 
 REPO = Path(__file__).resolve().parents[3]
@@ -230,6 +235,8 @@ class LoadGenerator:
         """node -> (pod uid, config generation) last reported."""
         self.writes = 0
         self.last_write = 0.0
+        self.last_running = 0.0
+        """When the load generator last saw an agent pod turn Running (monotonic)."""
         self.errors: list[str] = []
         self._pods: dict[str, str] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -238,6 +245,9 @@ class LoadGenerator:
         self._stop = threading.Event()
         self._started = threading.Event()
         self._cm_cache: tuple[float, int | None] = (0.0, None)
+        self._writers: dict[tuple[str, str], NodeStateWriter] = {}
+        """By (node, agent pod uid): one writer per agent process, as in a real agent."""
+        self._node_locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
 
     # -- control (from the test's thread) ------------------------------------------------
 
@@ -282,7 +292,7 @@ class LoadGenerator:
         self._queue = asyncio.Queue()
         kube = Kube(load_credentials(str(self.kubeconfig)), user_agent="metaroce-loadgen")
         self._started.set()
-        workers = [asyncio.create_task(self._writer(kube)) for _ in range(self.concurrency)]
+        workers = [asyncio.create_task(self._writer(kube, i)) for i in range(self.concurrency)]
         watcher = asyncio.create_task(self._watch_pods(kube))
         while not self._stop.is_set():
             await asyncio.sleep(0.1)
@@ -324,6 +334,7 @@ class LoadGenerator:
         if self._pods.get(node) == uid:
             return
         self._pods[node] = uid
+        self.last_running = time.monotonic()
         assert self._queue is not None
         self._queue.put_nowait(node)
 
@@ -338,18 +349,27 @@ class LoadGenerator:
         self._cm_cache = (time.monotonic(), gen)
         return gen
 
-    async def _writer(self, kube: Kube) -> None:
+    async def _writer(self, kube: Kube, index: int) -> None:
+        """One of `concurrency` agents' worth of connections: the agent's own client (one
+        kept-alive connection) in its own thread, as each real agent has."""
         assert self._queue is not None
-        while True:
-            node = await self._queue.get()
-            try:
-                await self._write(kube, node)
-            except asyncio.CancelledError:
-                raise
-            except Exception as err:
-                self.errors.append(f"{node}: {err}")
-                await asyncio.sleep(0.5)
-                self._queue.put_nowait(node)
+        client = KubeClient.from_kubeconfig(self.kubeconfig)
+        pool = ThreadPoolExecutor(1, thread_name_prefix=f"loadgen-{index}")
+        try:
+            while True:
+                node = await self._queue.get()
+                try:
+                    async with self._node_locks[node]:
+                        await self._write(kube, client, pool, node)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as err:
+                    self.errors.append(f"{node}: {err}")
+                    await asyncio.sleep(0.5)
+                    self._queue.put_nowait(node)
+        finally:
+            pool.shutdown(wait=False)
+            client.close()
 
     def nodestate(self, node: str, generation: int) -> MetaRoceNodeState:
         error = self.failing.get(node)
@@ -377,33 +397,26 @@ class LoadGenerator:
             status=MetaRoceNodeStateStatus.model_validate(status),
         )
 
-    async def _write(self, kube: Kube, node: str) -> None:
+    async def _write(
+        self, kube: Kube, client: KubeClient, pool: ThreadPoolExecutor, node: str
+    ) -> None:
         generation = await self._config_generation(kube)
         if generation is None:
             await asyncio.sleep(0.3)
             assert self._queue is not None
             self._queue.put_nowait(node)
             return
-        obj = self.nodestate(node, generation).to_api()
-        status = obj.pop("status")
-        await kube.apply(obj, field_manager=c.AGENT_FIELD_MANAGER)
-        meta = {"name": obj["metadata"]["name"]}
-        try:
-            await kube.apply(
-                {
-                    "apiVersion": obj["apiVersion"],
-                    "kind": obj["kind"],
-                    "metadata": meta,
-                    "status": status,
-                },
-                field_manager=c.AGENT_FIELD_MANAGER,
-                subresource="status",
-            )
-        except ApiError as err:
-            if err.status != 404:
-                raise
-        self.written[node] = (self._pods.get(node, ""), generation)
-        self.writes += 2
+        status = self.nodestate(node, generation).status
+        assert status is not None
+        pod = self._pods.get(node, "")
+        writer = self._writers.get((node, pod))
+        if writer is None:  # a new agent pod is a new agent process: it starts afresh
+            writer = self._writers[node, pod] = NodeStateWriter(client, self.network, node)
+        writer.kube = client  # this worker's connection
+        before = writer.requests
+        await asyncio.get_running_loop().run_in_executor(pool, writer.write, status)
+        self.written[node] = (pod, generation)
+        self.writes += writer.requests - before
         self.last_write = time.monotonic()
 
 

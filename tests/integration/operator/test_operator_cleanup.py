@@ -8,7 +8,6 @@ from conftest import OperatorEnv
 from operator_env import condition, network_manifest, wait_for
 
 from metaroce_api import constants as c
-from metaroce_operator import shim
 
 POOL_A = {"matchLabels": {"harness.metaroce.io/pool": "a"}}
 
@@ -54,7 +53,7 @@ def test_cleanup_timeout_names_the_silent_nodes(env: OperatorEnv) -> None:
         timeout=40,
     )
     env.networks.discard("slow")
-    timed_out = [e for e in env.events("slow") if e["reason"] == shim.REASON_CLEANUP_TIMED_OUT]
+    timed_out = [e for e in env.events("slow") if e["reason"] == c.REASON_CLEANUP_TIMED_OUT]
     assert len(timed_out) == 1, [e["reason"] for e in env.events("slow")]
     assert timed_out[0]["type"] == "Warning"
     assert "kwok-a2" in timed_out[0]["message"] and "kwok-a1" not in timed_out[0]["message"]

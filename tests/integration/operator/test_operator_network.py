@@ -10,7 +10,6 @@ from conftest import OperatorEnv
 from operator_env import condition, network_manifest, wait_for
 
 from metaroce_api import constants as c
-from metaroce_operator import shim
 from metaroce_operator.render.common import child_name
 
 POOL_A = {"matchLabels": {"harness.metaroce.io/pool": "a"}}
@@ -216,7 +215,7 @@ def test_lossy_profile_on_go_back_n_warns_once(env: OperatorEnv) -> None:
     net = env.wait_condition("lossy", c.CONDITION_READY, "True")
     degraded = condition(net, c.CONDITION_DEGRADED)
     assert degraded["status"] == "True"
-    assert degraded["reason"] == shim.REASON_LOSSY_ON_GO_BACK_N
+    assert degraded["reason"] == c.REASON_LOSSY_ON_GO_BACK_N
     assert "0.21" in degraded["message"]
-    events = [e for e in env.events("lossy") if e["reason"] == shim.REASON_LOSSY_ON_GO_BACK_N]
+    events = [e for e in env.events("lossy") if e["reason"] == c.REASON_LOSSY_ON_GO_BACK_N]
     assert len(events) == 1 and events[0]["type"] == "Warning"

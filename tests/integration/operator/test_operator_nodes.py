@@ -38,20 +38,35 @@ def test_stale_nodestates_are_collected(env: OperatorEnv) -> None:
     assert len(env.nodestates("house")) == 2
 
 
-def test_nic_conflicts_between_networks_are_reported(env: OperatorEnv) -> None:
+def test_nic_conflicts_hold_the_network_created_later(env: OperatorEnv) -> None:
     env.start_operator()
+    env.loadgen("left")
     env.apply(network_manifest("left", nodeSelector=POOL_A, nics={"interfaceNames": ["eth1"]}))
+    env.wait_condition("left", c.CONDITION_READY, "True")
     env.apply(network_manifest("right", nics={"interfaceNames": ["eth*"]}))
     env.apply(network_manifest("apart", nodeSelector=POOL_A, nics={"interfaceNames": ["ens9"]}))
-    for name, other in (("left", "right"), ("right", "left")):
-        net = env.wait_condition(name, c.CONDITION_DEGRADED, "True", reason=c.REASON_NIC_CONFLICT)
-        message = condition(net, c.CONDITION_DEGRADED)["message"]
-        assert f"network {other!r}" in message and "disjoint" in message
-        assert condition(net, c.CONDITION_READY)["reason"] == c.REASON_NIC_CONFLICT
-    apart = env.network("apart")
+
+    # The later network is held: told why and how to fix it, and no agents roll out.
+    right = env.wait_condition("right", c.CONDITION_READY, "False", reason=c.REASON_NIC_CONFLICT)
+    message = condition(right, c.CONDITION_READY)["message"]
+    assert "rollout held" in message and "network 'left'" in message, message
+    assert "kwok-a1" in message and "disjoint" in message, message
+    progressing = condition(right, c.CONDITION_PROGRESSING)
+    assert (progressing["status"], progressing["reason"]) == ("False", c.REASON_NIC_CONFLICT)
+    assert right["status"]["observedGeneration"] == right["metadata"]["generation"]
+    # The older network keeps its NICs and its Ready, and names the held one.
+    left = env.wait_condition("left", c.CONDITION_DEGRADED, "True", reason=c.REASON_NIC_CONFLICT)
+    assert "'right' was created later" in condition(left, c.CONDITION_DEGRADED)["message"]
+    assert condition(left, c.CONDITION_READY)["status"] == "True"
+    apart = env.wait_condition("apart", c.CONDITION_PROGRESSING, "True")
     assert condition(apart, c.CONDITION_DEGRADED).get("reason") != c.REASON_NIC_CONFLICT
-    # Fixing one side clears both.
+    time.sleep(4)  # a node pass or more: still no DaemonSet for the held network
+    assert env.daemonset("right") is None
+    assert env.daemonset("apart") is not None
+
+    # Fixing the held network's spec rolls it out at once; both conflicts clear.
     env.apply(network_manifest("right", nics={"interfaceNames": ["eth2"]}))
+    wait_for("right's DaemonSet", lambda: env.daemonset("right") is not None, timeout=30)
     for name in ("left", "right"):
         wait_for(
             f"{name} without conflict",
@@ -61,6 +76,22 @@ def test_nic_conflicts_between_networks_are_reported(env: OperatorEnv) -> None:
             ),
             timeout=30,
         )
+    assert condition(env.network("left"), c.CONDITION_READY)["status"] == "True"
+
+
+def test_a_held_rollout_resumes_when_the_older_network_goes(env: OperatorEnv) -> None:
+    env.start_operator()
+    env.loadgen("first")
+    env.loadgen("second")
+    env.apply(network_manifest("first", nodeSelector=POOL_A))
+    env.wait_condition("first", c.CONDITION_READY, "True")
+    env.apply(network_manifest("second", nodeSelector=POOL_A))
+    env.wait_condition("second", c.CONDITION_READY, "False", reason=c.REASON_NIC_CONFLICT)
+    assert env.daemonset("second") is None and not env.nodestates("second")
+    env.cluster.kubectl("delete", c.NETWORK_PLURAL, "first", "--wait=true", "--timeout=60s")
+    # Nothing about "second" changed: the node pass sees the conflict gone and resumes.
+    env.wait_condition("second", c.CONDITION_READY, "True", timeout=90)
+    assert len(env.nodestates("second")) == 2
 
 
 def _peers(node: str, nodes: list[str], bad: set[str]) -> list[ProbePeer]:

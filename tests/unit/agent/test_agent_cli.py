@@ -85,6 +85,10 @@ def test_cli_flag_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert "--skip-knob 'tos': not a knob: use one of" in capsys.readouterr().err
     assert run_main(["--config", str(cfg), "--root", str(tmp_path / "nope")]) == 2
     assert "--root" in capsys.readouterr().err
+    assert run_main(["--config", str(cfg), "--device-plugin-dir", "device-plugins"]) == 2
+    assert "--device-plugin-dir 'device-plugins': give an absolute path" in (
+        capsys.readouterr().err
+    )
 
 
 def test_cli_once_over_a_fixture_root(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -152,6 +156,9 @@ class FakeKube:
     def apply(self, path: str, body: dict, field_manager: str) -> dict:  # type: ignore[type-arg]
         self.applied.append((path, body))
         return body
+
+    create = apply  # the NodeState's first write
+    merge_patch = apply  # its status writes
 
 
 def test_deleted_network_with_cleanup_is_reverted_and_reported(tmp_path: Path) -> None:

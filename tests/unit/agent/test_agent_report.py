@@ -8,8 +8,15 @@ from conftest import make_config
 from fakes import port_down_node, softroce_node
 
 from metaroce_agent.engine import Engine, Journal
+from metaroce_agent.kube import KubeError
 from metaroce_agent.plan import make_plan
-from metaroce_agent.report import ErrorLog, NodeStateWriter, build_status, change_key
+from metaroce_agent.report import (
+    ErrorLog,
+    NodeStateWriter,
+    build_status,
+    change_key,
+    merge_patch,
+)
 from metaroce_api import MetaRoceNodeState, ProbePeer, ProbeSummary
 
 
@@ -107,16 +114,34 @@ def test_change_key_ignores_clocks_and_latency_jitter(node) -> None:  # type: ig
 
 
 class FakeKube:
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, dict[str, Any]]] = []
+    """Records the writer's requests; `existing` makes the create answer 409 (take-over)."""
+
+    def __init__(self, existing: dict[str, Any] | None = None) -> None:
+        self.calls: list[tuple[str, str, dict[str, Any]]] = []
+        self.existing = existing
+
+    def create(self, path: str, body: dict[str, Any], field_manager: str) -> dict[str, Any]:
+        assert field_manager == "metaroce-agent"
+        self.calls.append(("create", path, body))
+        if self.existing is not None:
+            raise KubeError(409, "already exists")
+        return body
 
     def apply(self, path: str, body: dict[str, Any], field_manager: str) -> dict[str, Any]:
         assert field_manager == "metaroce-agent"
-        self.calls.append((path, body))
-        return body
+        self.calls.append(("apply", path, body))
+        return {**body, "status": (self.existing or {}).get("status")}
+
+    def merge_patch(self, path: str, patch: dict[str, Any], field_manager: str) -> dict[str, Any]:
+        assert field_manager == "metaroce-agent"
+        self.calls.append(("merge", path, patch))
+        return patch
 
 
-def test_writer_creates_once_and_writes_only_changes(node) -> None:  # type: ignore[no-untyped-def]
+PATH = "/apis/metaroce.io/v1alpha1/metarocenodestates"
+
+
+def test_writer_creates_once_and_patches_only_changes(node) -> None:  # type: ignore[no-untyped-def]
     n = node(softroce_node)
     cfg, plan, result = applied_softroce(n)
     kube = FakeKube()
@@ -126,13 +151,52 @@ def test_writer_creates_once_and_writes_only_changes(node) -> None:  # type: ign
         drift_corrections=0,
     )  # fmt: skip
     assert w.write(s) is True
-    assert [p for p, _ in kube.calls] == [
-        "/apis/metaroce.io/v1alpha1/metarocenodestates/rdma-a.node-1",
-        "/apis/metaroce.io/v1alpha1/metarocenodestates/rdma-a.node-1/status",
+    assert [(verb, p) for verb, p, _ in kube.calls] == [
+        ("create", PATH),
+        ("merge", f"{PATH}/rdma-a.node-1/status"),
     ]
-    obj = kube.calls[0][1]
+    obj = kube.calls[0][2]
+    assert obj["metadata"]["name"] == "rdma-a.node-1"
     assert obj["spec"] == {"network": "rdma-a", "node": "node-1"}
     assert obj["metadata"]["labels"]["metaroce.io/network"] == "rdma-a"
+    assert kube.calls[1][2] == {"status": s.to_api()}
     assert w.write(s) is False and len(kube.calls) == 2
     s2 = s.model_copy(update={"drift_corrections": 1})
     assert w.write(s2) is True and len(kube.calls) == 3
+    # Only what changed goes out.
+    assert kube.calls[2][2] == {"status": {"driftCorrections": 1}}
+    # A changed annotation is applied to the existing object, not created again.
+    w.set_annotation("metaroce.io/probe-endpoint", "10.0.0.1:47911")
+    s3 = s2.model_copy(update={"drift_corrections": 2})
+    assert w.write(s3) is True
+    assert [verb for verb, _, _ in kube.calls[3:]] == ["apply", "merge"]
+    assert w.writes == 3
+
+
+def test_writer_takes_over_an_existing_nodestate(node) -> None:  # type: ignore[no-untyped-def]
+    n = node(softroce_node)
+    cfg, plan, result = applied_softroce(n)
+    s = build_status(
+        config=cfg, inventory=n.inventory(), plan=plan, result=result, errors=ErrorLog(),
+        drift_corrections=0,
+    )  # fmt: skip
+    old = {**s.to_api(), "errors": [{"step": "x", "message": "y", "time": "2026-01-01T00:00:00Z"}]}
+    kube = FakeKube(existing={"status": old})
+    w = NodeStateWriter(kube, "rdma-a", "node-1")  # type: ignore[arg-type]
+    assert w.write(s) is True
+    assert [verb for verb, _, _ in kube.calls] == ["create", "apply", "merge"]
+    # The previous agent's stale error is removed (merge patch null), the rest stays.
+    assert kube.calls[2][2] == {"status": {"errors": None}}
+
+
+def test_merge_patch_is_rfc7386() -> None:
+    old = {"a": 1, "b": {"c": 2, "d": 3}, "l": [1, 2], "gone": "x"}
+    new = {"a": 1, "b": {"c": 2, "e": 4}, "l": [1], "added": {"f": 5}}
+    assert merge_patch(old, new) == {
+        "gone": None,
+        "b": {"d": None, "e": 4},
+        "l": [1],
+        "added": {"f": 5},
+    }
+    assert merge_patch(new, new) == {}
+    assert merge_patch({}, new) == new

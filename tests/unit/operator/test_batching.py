@@ -72,3 +72,27 @@ def test_idle_loop_does_not_flush() -> None:
         return calls
 
     assert asyncio.run(scenario()) == 0
+
+
+def test_an_urgent_mark_does_not_wait_out_the_interval() -> None:
+    async def scenario() -> list[float]:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        flushed: list[float] = []
+
+        async def flush(key: str) -> None:
+            flushed.append(loop.time() - start)
+
+        batch = BatchLoop(flush, interval=5.0)
+        runner = asyncio.create_task(batch.run())
+        batch.mark("net")
+        await asyncio.sleep(0.05)
+        batch.mark("net")  # an ordinary mark: waits for the interval
+        await asyncio.sleep(0.05)
+        batch.mark("net", urgent=True)  # the last node reported: flush now
+        await asyncio.sleep(0.05)
+        runner.cancel()
+        return flushed
+
+    flushed = asyncio.run(scenario())
+    assert len(flushed) == 2 and flushed[1] < 0.5, flushed

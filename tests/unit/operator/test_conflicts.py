@@ -10,8 +10,10 @@ from operator_testlib import network
 
 from metaroce_api import LabelSelector, NicSelector
 from metaroce_operator.conflicts import (
+    created_order,
     find_conflicts,
     globs_intersect,
+    holding_conflicts,
     nic_overlap,
     selector_matches,
 )
@@ -99,3 +101,34 @@ def test_observed_conflict_from_reported_netdevs() -> None:
     (conflict,) = found["x"]
     assert conflict.observed and conflict.nodes == ("n1",)
     assert "also configures" in conflict.message()
+
+
+def test_the_network_created_later_is_held() -> None:
+    nodes = {"n1": {}}
+    old = network("zz-old", nics={"interfaceNames": ["eth*"]})
+    new = network("aa-new", nics={"interfaceNames": ["eth1"]})
+    apart = network("apart", nics={"interfaceNames": ["ens9"]})
+    nets = {n.name: n for n in (old, new, apart)}
+    stamps = {"zz-old": "00", "aa-new": "05", "apart": "09"}
+    order = {
+        name: created_order(
+            {"metadata": {"name": name, "creationTimestamp": f"2026-01-01T00:00:{sec}Z"}}
+        )
+        for name, sec in stamps.items()
+    }
+    (held,) = holding_conflicts("aa-new", nets, order, nodes, {})
+    assert held.other == "zz-old" and held.nodes == ("n1",)
+    message = held.held_message()
+    assert "rollout held" in message and "'zz-old' was created first" in message
+    assert "n1" in message and "disjoint" in message
+    assert holding_conflicts("zz-old", nets, order, nodes, {}) == []
+    assert holding_conflicts("apart", nets, order, nodes, {}) == []
+
+
+def test_equal_creation_times_are_ordered_by_name() -> None:
+    stamp = "2026-01-01T00:00:00Z"
+    a = created_order({"metadata": {"name": "a", "creationTimestamp": stamp}})
+    b = created_order({"metadata": {"name": "b", "creationTimestamp": stamp}})
+    assert a < b
+    # Not created yet (no timestamp): after every existing network.
+    assert created_order({"metadata": {"name": "a"}}) > b

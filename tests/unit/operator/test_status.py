@@ -10,7 +10,6 @@ from operator_testlib import network
 
 from metaroce_api import MetaRoceNetworkStatus
 from metaroce_api import constants as c
-from metaroce_operator import shim
 from metaroce_operator.observed import DaemonSetView, NodeReport, PeerResult
 from metaroce_operator.probes import judge
 from metaroce_operator.status import (
@@ -18,6 +17,7 @@ from metaroce_operator.status import (
     Observed,
     compute_status,
     invalid_status,
+    rollout_settled,
     same_status,
     transition_events,
 )
@@ -151,7 +151,7 @@ def test_lossy_on_go_back_n_warns_but_stays_ready() -> None:
     s = compute_status(observed([report("a"), report("b"), report("c")], net=net), None, T0)
     assert cond(s, c.CONDITION_READY) == ("True", c.REASON_RECONCILED)
     status, reason = cond(s, c.CONDITION_DEGRADED)
-    assert (status, reason) == ("True", shim.REASON_LOSSY_ON_GO_BACK_N)
+    assert (status, reason) == ("True", c.REASON_LOSSY_ON_GO_BACK_N)
     message = next(x for x in s.conditions or [] if x.type == c.CONDITION_DEGRADED).message
     assert "0.21" in message and "metaroce" in message
     lossless = network(transport={"mode": "softroce"})
@@ -164,7 +164,7 @@ def test_lossy_on_auto_warns_once_nodes_report_go_back_n() -> None:
     s = compute_status(observed([], net=net), None, T0)
     assert cond(s, c.CONDITION_DEGRADED)[0] == "False"
     s = compute_status(observed([report("a")], net=net), None, T0)
-    assert cond(s, c.CONDITION_DEGRADED) == ("True", shim.REASON_LOSSY_ON_GO_BACK_N)
+    assert cond(s, c.CONDITION_DEGRADED) == ("True", c.REASON_LOSSY_ON_GO_BACK_N)
 
 
 def test_conflict_and_cleanup_and_error() -> None:
@@ -176,7 +176,7 @@ def test_conflict_and_cleanup_and_error() -> None:
     view = CleanupView(pending=("b", "c"), timed_out=True, timeout_seconds=300)
     s = compute_status(observed([report("a")], cleanup=view), None, T0)
     assert cond(s, c.CONDITION_READY) == ("False", c.REASON_CLEANING_UP)
-    assert cond(s, c.CONDITION_DEGRADED) == ("True", shim.REASON_CLEANUP_TIMED_OUT)
+    assert cond(s, c.CONDITION_DEGRADED) == ("True", c.REASON_CLEANUP_TIMED_OUT)
     degraded = next(x for x in s.conditions or [] if x.type == c.CONDITION_DEGRADED)
     assert "b, c" in degraded.message
     s = compute_status(
@@ -224,14 +224,14 @@ def test_lossy_event_once_per_generation() -> None:
     net = network(transport={"mode": "rocev2"}, qos={"profile": "lossy"})
     first = compute_status(observed([report("a")], net=net), None, T0)
     events = transition_events(None, first)
-    assert [e.reason for e in events] == [shim.REASON_LOSSY_ON_GO_BACK_N]
+    assert [e.reason for e in events] == [c.REASON_LOSSY_ON_GO_BACK_N]
     again = compute_status(observed([report("a"), report("b")], net=net), first, T0)
     assert transition_events(first, again) == []
     net2 = network(generation=2, transport={"mode": "rocev2"}, qos={"profile": "lossy"})
     bumped = compute_status(
         observed([report("a", gen=2)], net=net2, applied=2, config_gen=2), again, T0
     )
-    assert shim.REASON_LOSSY_ON_GO_BACK_N in [e.reason for e in transition_events(again, bumped)]
+    assert c.REASON_LOSSY_ON_GO_BACK_N in [e.reason for e in transition_events(again, bumped)]
 
 
 def test_invalid_status_names_the_problem() -> None:
@@ -239,3 +239,30 @@ def test_invalid_status_names_the_problem() -> None:
     assert s.observed_generation == 4
     assert cond(s, c.CONDITION_READY) == ("False", c.REASON_INVALID_SPEC)
     assert cond(s, c.CONDITION_DEGRADED) == ("True", c.REASON_INVALID_SPEC)
+
+
+def test_a_held_network_says_why_and_the_older_one_stays_ready() -> None:
+    held = "rollout held: network 'x' can select the same NICs on 1 node(s) (a): ..."
+    s = compute_status(observed([], ds=None, applied=None, held=[held]), None, T0)
+    assert cond(s, c.CONDITION_READY) == ("False", c.REASON_NIC_CONFLICT)
+    assert cond(s, c.CONDITION_PROGRESSING) == ("False", c.REASON_NIC_CONFLICT)
+    assert cond(s, c.CONDITION_DEGRADED) == ("True", c.REASON_NIC_CONFLICT)
+    ready = next(x for x in s.conditions or [] if x.type == c.CONDITION_READY)
+    assert ready.message == held
+    assert s.observed_generation == 1  # seen, and deliberately not rolled out
+    yielded = "network 'y' can select ...: 'y' was created later: its rollout is held"
+    s = compute_status(
+        observed([report("a"), report("b"), report("c")], yielded=[yielded]), None, T0
+    )
+    assert cond(s, c.CONDITION_READY) == ("True", c.REASON_RECONCILED)
+    assert cond(s, c.CONDITION_DEGRADED) == ("True", c.REASON_NIC_CONFLICT)
+
+
+def test_rollout_settled_counts_final_answers_for_the_current_config() -> None:
+    reports = {r.node: r for r in (report("a"), report("b", "Failed"), report("c", gen=0))}
+    assert not rollout_settled(reports, 1, 3, None)
+    reports["c"] = report("c")
+    assert rollout_settled(reports, 1, 3, None)
+    assert not rollout_settled(reports, 1, 3, frozenset({"a", "b"}))
+    assert not rollout_settled(reports, 1, 4, None)
+    assert not rollout_settled(reports, None, 3, None)
