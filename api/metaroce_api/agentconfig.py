@@ -9,8 +9,17 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import Field
 
-from metaroce_api.base import ApiModel, DnsLabel, Duration, defaults_to_model
-from metaroce_api.network import MetaRoceNetwork, NicSelector, ProbeSpec, QosSpec, TransportSpec
+from metaroce_api.base import ApiModel, DnsLabel, Duration, defaults_to, defaults_to_model
+from metaroce_api.network import (
+    DEFAULT_NCCL_ENV,
+    DEVICE_NCCL_ENV,
+    MetaRoceNetwork,
+    NcclVariable,
+    NicSelector,
+    ProbeSpec,
+    QosSpec,
+    TransportSpec,
+)
 
 
 class AgentConfig(ApiModel):
@@ -21,6 +30,12 @@ class AgentConfig(ApiModel):
     """`.metadata.generation` of the network this was rendered from."""
     resource_name: Annotated[str, Field(min_length=3, max_length=253)]
     pods_per_device: Annotated[int, Field(ge=1)] = 1
+    device_env: Annotated[list[NcclVariable], Field(max_length=16)] = defaults_to(
+        [v for v in DEFAULT_NCCL_ENV if v in DEVICE_NCCL_ENV]
+    )
+    """The per-device NCCL variables of `attachment.ncclEnv` (NCCL_IB_HCA,
+    NCCL_IB_GID_INDEX), which the device plugin's Allocate sets. Only these: the pod
+    webhook sets the network-wide ones, and changing those must not roll the agents."""
     cleanup_on_delete: bool = False
     nics: NicSelector
     transport: TransportSpec = defaults_to_model(TransportSpec)
@@ -38,6 +53,7 @@ class AgentConfig(ApiModel):
             generation=network.metadata.generation or 0,
             resource_name=network.resource_name,
             pods_per_device=spec.attachment.pods_per_device,
+            device_env=[v for v in spec.attachment.nccl_env if v in DEVICE_NCCL_ENV],
             cleanup_on_delete=spec.cleanup_on_delete,
             nics=spec.nics,
             transport=spec.transport,

@@ -52,6 +52,8 @@ DEFAULT_NCCL_ENV: list[NcclVariable] = [
     "NCCL_IB_RETRY_CNT",
 ]
 """Everything the network determines; NCCL_SOCKET_IFNAME needs `socketInterface`."""
+DEVICE_NCCL_ENV: tuple[NcclVariable, ...] = ("NCCL_IB_HCA", "NCCL_IB_GID_INDEX")
+"""The ones that depend on the devices a container gets: set by the device plugin."""
 
 Glob = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[-A-Za-z0-9_.:*?\[\]!]+$")]
 PciId = Annotated[str, Field(min_length=4, max_length=6, pattern=r"^(0x)?[0-9a-fA-F]{4}$")]

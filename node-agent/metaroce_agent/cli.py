@@ -19,11 +19,15 @@ from pathlib import Path
 from types import FrameType
 
 from metaroce_agent.plan import QOS_KNOBS
+from metaroce_api.constants import AGENT_METRICS_PORT, AGENT_PROBE_PORT, DEVICE_PLUGIN_DIR
 
 log = logging.getLogger("metaroce.agent")
 
-DEFAULT_METRICS_PORT = 9478
-DEFAULT_PROBE_PORT = 47911
+DEFAULT_DEVICE_PLUGIN_DIR = Path(DEVICE_PLUGIN_DIR)
+"""Where the kubelet listens for device plugins (k8s.io/kubelet deviceplugin/v1beta1)."""
+
+DEFAULT_METRICS_PORT = AGENT_METRICS_PORT
+DEFAULT_PROBE_PORT = AGENT_PROBE_PORT
 """TCP side channel of the RDMA probe (not 18515: perftest uses that one)."""
 
 
@@ -93,6 +97,17 @@ def agent_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-probe", dest="probe", action="store_false")
     p.add_argument("--probe-port", default=str(DEFAULT_PROBE_PORT))
     p.add_argument(
+        "--device-plugin-dir",
+        default=str(DEFAULT_DEVICE_PLUGIN_DIR),
+        help="the kubelet's device-plugin directory, where the network's device plugin "
+        f"registers (default {DEFAULT_DEVICE_PLUGIN_DIR})",
+    )
+    p.add_argument(
+        "--no-device-plugin",
+        action="store_true",
+        help="do not advertise the network's resource to the kubelet",
+    )
+    p.add_argument(
         "--once", action="store_true", help="one apply pass, print it, exit (1 = failed)"
     )
     p.add_argument("--revert", action="store_true", help="undo what the agent applied, then exit")
@@ -121,6 +136,12 @@ def run_main(argv: list[str]) -> int:
             else _parse_port("--metrics-port", args.metrics_port, allow_zero=True)
         )
         probe_port = _parse_port("--probe-port", args.probe_port, allow_zero=False)
+        plugin_dir = None if args.no_device_plugin else Path(args.device_plugin_dir)
+        if plugin_dir is not None and not plugin_dir.is_absolute():
+            raise UsageError(
+                f"--device-plugin-dir {args.device_plugin_dir!r}: give an absolute path "
+                f"(the kubelet's is {DEFAULT_DEVICE_PLUGIN_DIR}), or --no-device-plugin"
+            )
         config_path = Path(args.config)
         cfg = load_config(config_path)
     except (UsageError, ConfigError) as e:
@@ -140,6 +161,7 @@ def run_main(argv: list[str]) -> int:
         require_pyverbs=args.require_pyverbs,
         probe=args.probe,
         probe_port=probe_port,
+        device_plugin_dir=plugin_dir,
     )
     try:
         agent = Agent(options)

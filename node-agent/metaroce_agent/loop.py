@@ -8,6 +8,11 @@
   revert everything the agent created and report `reverted: true`, then stay idle.
 - SIGTERM (a rollout, an eviction, a node shutdown) stops the loop and leaves the node
   as it is: running jobs depend on it.
+- The kubelet device plugin of the network (`AgentOptions.device_plugin_dir`) is fed
+  after every pass, and within seconds of a port or address change
+  (`deviceplugin.feed`): a device is advertised once it exists, and healthy only while
+  its port is ACTIVE and its QoS is applied and verified. It is stopped on revert and on
+  shutdown (the kubelet then marks the units unhealthy; running pods keep their devices).
 """
 
 from __future__ import annotations
@@ -43,15 +48,18 @@ class AgentOptions:
     kubeconfig: str | None = None
     report: bool = True
     metrics_address: str = "0.0.0.0"
-    metrics_port: int | None = 9478
+    metrics_port: int | None = constants.AGENT_METRICS_PORT
     """None = no metrics server; 0 = any free port."""
     state_dir: str = "/run/metaroce/agent"
     skip_knobs: frozenset[str] = frozenset()
     require_pyverbs: bool = False
     probe: bool | None = None
     """None = as the config says (probe.enabled)."""
-    probe_port: int = 47911
+    probe_port: int = constants.AGENT_PROBE_PORT
     watch: bool = True
+    device_plugin_dir: Path | None = None
+    """The kubelet's device-plugin directory (/var/lib/kubelet/device-plugins); None = no
+    device plugin (tests, `--once`, `--no-device-plugin`)."""
 
 
 def load_config(path: Path) -> AgentConfig:
@@ -103,6 +111,8 @@ class AgentState:
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds of each part of the last apply pass (discover, capabilities, plan, apply,
     rediscover, report, total): the benchmarks read them."""
+    failing: frozenset[str] = frozenset()
+    """`Step.device` of the steps the last drift pass could not repair ("" = node-wide)."""
 
 
 class Agent:
@@ -140,6 +150,8 @@ class Agent:
         self.prober: Any = None
         self._lock = threading.Lock()
         self._seen: tuple[Any, ...] = ()
+        self.plugin: Any = None
+        """The running `DevicePlugin` (imported lazily: grpcio is only needed with one)."""
         self._warm_up()
 
     def _warm_up(self) -> None:
@@ -236,9 +248,11 @@ class Agent:
             st.errors.set(errors)
             if result.ok and (result.changed or st.last_applied is None):
                 st.last_applied = now()
+            st.failing = frozenset()
             if result.ok:
                 self.discover()  # rxe devices and GIDs that now exist
             t["rediscover"] = time.monotonic()
+            self._feed_plugin()
             self.metrics.knobs_applied.set(len([s for s in result.applied if s.report]))
             self.metrics.knobs_skipped.set(len(st.plan.skipped))
             self.report()
@@ -264,6 +278,8 @@ class Agent:
             errors = [(e.where, e.message) for e in st.plan.problems]
             errors += [(f"repair {s.name}", msg) for s, msg in drift.errors]
             st.errors.set(errors)
+            st.failing = frozenset(s.device for s, _ in drift.errors)
+            self._feed_plugin()
             if drift.repaired:
                 st.last_applied = now()
                 log.info(
@@ -287,6 +303,59 @@ class Agent:
                 log.info("reverted %d step(s) in %.2f s", len(result.undone), result.seconds)
             self.discover()
             self.report()
+            self.stop_plugin()  # the node no longer carries the network's settings
+
+    # --- the device plugin ---------------------------------------------------------------
+    def start_plugin(self) -> None:
+        """Start the network's device plugin (it registers once it has a device)."""
+        if self.options.device_plugin_dir is None or self.plugin is not None:
+            return
+        from metaroce_agent.deviceplugin import DevicePlugin, PluginConfig
+
+        cfg = self.config
+        self.plugin = DevicePlugin(
+            PluginConfig(
+                resource_name=cfg.resource_name,
+                pods_per_device=cfg.pods_per_device,
+                socket_dir=self.options.device_plugin_dir,
+                device_env=frozenset(cfg.device_env),
+            )
+        )
+        self.plugin.start()
+        self._feed_plugin()
+        log.info(
+            "device plugin for %s started in %s", cfg.resource_name, self.options.device_plugin_dir
+        )
+
+    def stop_plugin(self) -> None:
+        plugin, self.plugin = self.plugin, None
+        if plugin is not None:
+            plugin.stop()
+            log.info("device plugin for %s stopped", plugin.config.resource_name)
+
+    def _feed_plugin(self) -> None:
+        """Hand the plugin the current devices (the plugin skips an unchanged list)."""
+        if self.plugin is None:
+            return
+        from metaroce_agent.deviceplugin.feed import plugin_devices  # grpcio: only with a plugin
+
+        st = self.state
+        applied = st.result is not None and st.result.ok and not st.reverted
+        self.plugin.update(
+            plugin_devices(self.config, st.inventory, st.plan, applied=applied, failing=st.failing)
+        )
+
+    def watch_ports(self) -> None:
+        """Between passes: rediscover and re-feed the plugin when a port, a device or an
+        address changed (cheap sysfs reads; a port going down is seen within seconds)."""
+        if self.plugin is None or self.state.reverted:
+            return
+        with self._lock:
+            if self._fingerprint() != self._seen:
+                log.info("devices, ports or addresses changed: updating the device plugin")
+                self.discover()
+                self._feed_plugin()
+                self.report()  # the NodeState shows the port state too (written if changed)
 
     # --- reporting -----------------------------------------------------------------------
     def _status(self, *, reverting: bool = False) -> MetaRoceNodeStateStatus:
@@ -382,6 +451,7 @@ class Agent:
 
     def run(self) -> int:
         self.serve_metrics()
+        self.start_plugin()
         self.apply_pass()
         if self.writer is not None and self.options.watch:
             threading.Thread(target=self.watch_network, name="network-watch", daemon=True).start()
@@ -410,7 +480,10 @@ class Agent:
             if time.monotonic() >= next_drift:
                 self.drift_pass()
                 next_drift = time.monotonic() + self.drift_seconds
+            else:
+                self.watch_ports()
         log.info("stopping: the node keeps its settings (only cleanupOnDelete reverts them)")
+        self.stop_plugin()
         if self.prober is not None:
             self.prober.stop()
         if self.server is not None:
@@ -432,8 +505,16 @@ class Agent:
             )
             return
         log.info("config changed (generation %d): new apply pass", config.generation)
+        old = self.config
         self.config = config
         self.cleanup_on_delete = config.cleanup_on_delete
+        if self.plugin is not None and (
+            (old.resource_name, old.pods_per_device, old.device_env)
+            != (config.resource_name, config.pods_per_device, config.device_env)
+        ):
+            # Units and their IDs change: a new plugin re-registers with the new list.
+            self.stop_plugin()
+            self.start_plugin()
         self.apply_pass()
 
     def stop(self) -> None:

@@ -1,10 +1,13 @@
 """The operator process: endpoints, leader election, and one kopf run per leadership term.
 
-Every replica serves health and metrics and competes for the Lease. The winner starts a
-`Controller` and kopf (on its own thread, see `kopfrun`); when the lease is lost the write
-gate closes at once, the controller's tasks are cancelled and kopf is stopped, and the
-replica goes back to being a candidate. SIGTERM releases the lease so a follower takes
-over without waiting for it to expire.
+Every replica serves health and metrics, serves the admission webhooks from its own
+watch of the networks (`--webhook-port`; admission never depends on who leads), and
+competes for the Lease. The winner starts a `Controller` and kopf (on its own thread, see
+`kopfrun`) and, unless cert-manager owns them, keeps the webhook certificate Secret and
+the caBundles valid; when the lease is lost the write gate closes at once, the
+controller's tasks are cancelled and kopf is stopped, and the replica goes back to being
+a candidate. SIGTERM releases the lease so a follower takes over without waiting for it
+to expire.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ import asyncio
 import contextlib
 import logging
 import signal
-from typing import Any
+import threading
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -25,6 +29,9 @@ from metaroce_operator.kopfrun import Bridge, KopfThread
 from metaroce_operator.kube import ApiError, Kube, load_credentials
 from metaroce_operator.leader import LeaderElector
 from metaroce_operator.settings import OperatorSettings
+
+if TYPE_CHECKING:
+    from metaroce_operator.webhooks.server import WebhookApp
 
 log = logging.getLogger("metaroce.operator")
 
@@ -53,6 +60,7 @@ class Process:
         self.stop = asyncio.Event()
         self.crds_found = False
         self.runners: list[web.AppRunner] = []
+        self.webhook: WebhookApp | None = None
 
     # -- probes ------------------------------------------------------------------------------
 
@@ -70,7 +78,79 @@ class Process:
         age = self.elector.clock() - self.elector.last_contact
         limit = max(3 * self.settings.lease_duration, 30.0)
         role = "leader" if self.elector.is_leader() else f"follower of {self.elector.holder!r}"
-        return age < limit, f"{role}; apiserver answered {age:.1f}s ago"
+        detail = f"{role}; apiserver answered {age:.1f}s ago"
+        if self.webhook is not None:
+            serving, why = self.webhook.ready()
+            detail += f"; {why}"
+            if not serving:
+                return False, detail
+        return age < limit, detail
+
+    # -- webhooks --------------------------------------------------------------------------
+
+    def _start_webhook(self) -> None:
+        """Serve the webhooks in every replica (threads of their own: the stdlib server and
+        the kubernetes client's watches block)."""
+        from metaroce_operator.webhooks.server import (
+            AppOptions,
+            WebhookApp,
+            load_api_client,
+            tune_for_latency,
+        )
+
+        w = self.settings.webhook
+        namespace, _ = w.secret_ref
+        options = AppOptions(
+            cert_secret=w.cert_secret,
+            manage_certs=False,  # the leader rotates: see _lead_certificates
+            service=w.service or "",
+            service_namespace=namespace,
+            mutating_configs=(w.mutating_config,) if w.mutating_config else (),
+            validating_configs=(w.validating_config,) if w.validating_config else (),
+            address=self.settings.bind_address,
+            port=w.port,
+        )
+        app = WebhookApp(options, load_api_client(self.settings.kubeconfig))
+        self.webhook = app
+
+        def serve() -> None:
+            try:
+                app.start(wait_certificates=None)
+                tune_for_latency()
+            except OSError as err:
+                metrics.ERRORS.labels(where="webhook").inc()
+                log.error(
+                    "cannot serve the webhooks on %s:%d: %s; pick another --webhook-port "
+                    "(this replica stays unready)",
+                    options.address,
+                    options.port,
+                    err.strerror or err,
+                )
+            except Exception as err:
+                metrics.ERRORS.labels(where="webhook").inc()
+                log.error(
+                    "the webhook server failed to start: %r (this replica stays unready)", err
+                )
+
+        threading.Thread(target=serve, name="webhook-start", daemon=True).start()
+
+    async def _lead_certificates(self) -> None:
+        """Leader: create/rotate the certificate Secret and write the caBundles, now and
+        every `cert_check_interval` (configurations the chart installs later get theirs)."""
+        assert self.webhook is not None
+        app, interval = self.webhook, self.settings.webhook.cert_check_interval
+        while True:
+            delay = interval
+            if self.elector.is_leader():
+                try:
+                    changed = await asyncio.to_thread(app.rotate_certificates)
+                    if changed:
+                        log.info("webhook certificates: %s", changed)
+                except Exception as err:
+                    metrics.ERRORS.labels(where="webhook-certs").inc()
+                    log.warning("webhook certificates: %s; retrying in 5 s", err)
+                    delay = 5.0
+            await asyncio.sleep(delay)
 
     # -- run -----------------------------------------------------------------------------------
 
@@ -86,6 +166,8 @@ class Process:
             if s.metrics_port:
                 self.runners.append(await serve_metrics(s.bind_address, s.metrics_port))
             metrics.LEADER.set(0)
+            if s.webhook.enabled:
+                self._start_webhook()
             await self._wait_for_crds()
             while not self.stop.is_set():
                 if not await self.elector.acquire(self.stop):
@@ -97,6 +179,9 @@ class Process:
                 await runner.cleanup()
             await self.kube.close()
             await self.lease_kube.close()
+            if self.webhook is not None:
+                # Last: admission keeps working while the lease is handed over.
+                await asyncio.to_thread(self.webhook.stop)
         log.info("stopped")
         return 0
 
@@ -142,6 +227,10 @@ class Process:
             "kopf stopped": loop.create_task(kopf_thread.wait(), name="kopf"),
             "asked to stop": loop.create_task(self.stop.wait(), name="stop"),
         }
+        if self.webhook is not None and not self.settings.webhook.cert_manager:
+            tasks["webhook certificates stopped"] = loop.create_task(
+                self._lead_certificates(), name="webhook-certs"
+            )
         done, _ = await asyncio.wait(tasks.values(), return_when=asyncio.FIRST_COMPLETED)
         reasons = [why for why, task in tasks.items() if task in done]
         log.info("leadership term ends: %s", ", ".join(reasons))

@@ -28,6 +28,7 @@ from metaroce_operator.settings import (
     OperatorSettings,
     RenderSettings,
     SettingsError,
+    WebhookSettings,
     check_port,
     default_identity,
     parse_seconds,
@@ -35,21 +36,40 @@ from metaroce_operator.settings import (
 
 METRICS_PORT = 8080
 HEALTH_PORT = 8081
+WEBHOOK_PORT = 8443
 
 
-def chart_arguments(namespace: str, agent_image: str) -> list[str]:
+def chart_arguments(
+    namespace: str,
+    agent_image: str,
+    fullname: str = "metaroce",
+    webhook_port: int = WEBHOOK_PORT,
+    cert_manager: bool = False,
+) -> list[str]:
     """The arguments the Helm chart passes to `metaroce operator`.
 
     The chart's Deployment must use exactly these (tests start the operator with them);
     the identity and namespace also come from POD_NAME / POD_NAMESPACE (downward API).
+    The webhook names follow charts/metaroce/templates/_helpers.tpl (metaroce.certSecret,
+    metaroce.webhookService) and the chart's `<fullname>-pods` / `<fullname>-networks`.
     """
-    return [
+    args = [
         f"--namespace={namespace}",
         f"--agent-image={agent_image}",
         f"--metrics-port={METRICS_PORT}",
         f"--health-port={HEALTH_PORT}",
         "--log-level=info",
+        f"--webhook-port={webhook_port}",
+        f"--webhook-cert-secret={namespace}/"
+        + c.WEBHOOK_CERT_SECRET_TEMPLATE.format(fullname=fullname),
+        "--webhook-service=" + c.WEBHOOK_SERVICE_TEMPLATE.format(fullname=fullname),
+        "--webhook-mutating-config=" + c.POD_WEBHOOK_CONFIG_TEMPLATE.format(fullname=fullname),
+        "--webhook-validating-config="
+        + c.NETWORK_WEBHOOK_CONFIG_TEMPLATE.format(fullname=fullname),
     ]
+    if cert_manager:
+        args.append("--webhook-cert-manager")
+    return args
 
 
 def _env(*names: str, default: str | None = None) -> str | None:
@@ -107,7 +127,42 @@ def _operator_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--health-port", type=_port("--health-port"), default=HEALTH_PORT, help="0 = off"
     )
-    p.add_argument("--bind-address", default="0.0.0.0", help="address of the HTTP endpoints")
+    p.add_argument("--bind-address", default="0.0.0.0", help="address of the HTTP(S) endpoints")
+    p.add_argument(
+        "--webhook-port",
+        type=_port("--webhook-port"),
+        default=0,
+        help="HTTPS port of the admission webhooks, served by every replica (0 = off, the "
+        "default; the chart passes 8443)",
+    )
+    p.add_argument(
+        "--webhook-cert-secret",
+        metavar="NAMESPACE/NAME",
+        help="Secret with the webhook's serving certificate: every replica reads it, the "
+        "leader creates and rotates it (unless --webhook-cert-manager)",
+    )
+    p.add_argument(
+        "--webhook-service", help="the webhook Service (the certificate is issued for it)"
+    )
+    p.add_argument(
+        "--webhook-mutating-config",
+        help="MutatingWebhookConfiguration whose caBundle the leader writes",
+    )
+    p.add_argument(
+        "--webhook-validating-config",
+        help="ValidatingWebhookConfiguration whose caBundle the leader writes",
+    )
+    p.add_argument(
+        "--webhook-cert-check-interval",
+        default="60s",
+        help="how often the leader checks the certificate Secret (renewed before it "
+        "expires) and the caBundles (default 60s)",
+    )
+    p.add_argument(
+        "--webhook-cert-manager",
+        action="store_true",
+        help="cert-manager issues the Secret and injects the caBundles: never write them",
+    )
     p.add_argument(
         "--kubeconfig", default=None, help="kubeconfig (default: in-cluster, $KUBECONFIG)"
     )
@@ -142,6 +197,17 @@ def settings_from_args(argv: Sequence[str]) -> OperatorSettings:
         bind_address=args.bind_address,
         kubeconfig=args.kubeconfig,
         log_level=args.log_level,
+        webhook=WebhookSettings(
+            port=args.webhook_port,
+            cert_secret=args.webhook_cert_secret,
+            service=args.webhook_service,
+            mutating_config=args.webhook_mutating_config,
+            validating_config=args.webhook_validating_config,
+            cert_manager=args.webhook_cert_manager,
+            cert_check_interval=parse_seconds(
+                "--webhook-cert-check-interval", args.webhook_cert_check_interval
+            ),
+        ),
     )
 
 

@@ -2,8 +2,10 @@
 
 - /healthz (liveness): the event loop answers and the lease loop ticked recently; a
   wedged loop or a stuck lease task gets the pod restarted.
-- /readyz (readiness): the CRDs are installed and the apiserver answered recently.
-  Followers are ready too: every replica will serve the admission webhooks.
+- /readyz (readiness): the CRDs are installed, the apiserver answered recently and, when
+  the replica serves the admission webhooks, it has a serving certificate and its own
+  network cache has synced (the webhook Service sends admissions to ready replicas only).
+  Followers are ready too: every replica serves the webhooks.
 - /metrics on its own port: prometheus-client's exposition of the default registry.
 """
 

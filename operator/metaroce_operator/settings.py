@@ -17,7 +17,7 @@ from metaroce_api import parse_duration
 from metaroce_operator import __version__
 
 DEFAULT_NAMESPACE: Final = "metaroce-system"
-DEFAULT_AGENT_IMAGE: Final = f"ghcr.io/metaroce/metaroce-agent:v{__version__}"
+DEFAULT_AGENT_IMAGE: Final = f"ghcr.io/metaroce/metaroce-agent:{__version__}"
 """Pinned by the operator's own version: an operator renders agents of its release."""
 DEFAULT_LEASE_NAME: Final = "metaroce-operator"
 
@@ -101,6 +101,96 @@ class RenderSettings:
         check_image("--agent-image", self.agent_image)
 
 
+def check_secret_ref(flag: str, value: str) -> tuple[str, str]:
+    """`NAMESPACE/NAME` of a Secret -> (namespace, name)."""
+    namespace, sep, name = value.partition("/")
+    if not sep or not _DNS_LABEL.match(namespace) or not _DNS_SUBDOMAIN.match(name):
+        raise SettingsError(
+            flag,
+            value,
+            "write NAMESPACE/NAME of the webhook certificate Secret, e.g. "
+            "metaroce-system/metaroce-webhook-tls (the chart's metaroce.certSecret)",
+        )
+    return namespace, name
+
+
+@dataclass(frozen=True)
+class WebhookSettings:
+    """The admission webhooks every replica serves (`--webhook-*`)."""
+
+    port: int = 0
+    """HTTPS port of the webhooks; 0 = this process serves no webhooks."""
+    cert_secret: str | None = None
+    """`namespace/name` of the Secret with the serving certificate (read by every replica,
+    written by the leader unless `cert_manager`). Its namespace is the Service's."""
+    service: str | None = None
+    """The webhook Service (the certificate names `<service>.<namespace>.svc`)."""
+    mutating_config: str | None = None
+    """MutatingWebhookConfiguration whose caBundle the leader writes."""
+    validating_config: str | None = None
+    """ValidatingWebhookConfiguration whose caBundle the leader writes."""
+    cert_manager: bool = False
+    """cert-manager owns the Secret and injects the caBundles: never write either."""
+    cert_check_interval: float = 60.0
+    """How often the leader checks the Secret (rotation before expiry) and the caBundles."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.port > 0
+
+    @property
+    def secret_ref(self) -> tuple[str, str]:
+        assert self.cert_secret is not None
+        return check_secret_ref("--webhook-cert-secret", self.cert_secret)
+
+    def __post_init__(self) -> None:
+        check_port("--webhook-port", self.port)
+        if self.cert_check_interval < 1:
+            raise SettingsError(
+                "--webhook-cert-check-interval", self.cert_check_interval, "use at least 1s"
+            )
+        if self.cert_secret is not None:
+            check_secret_ref("--webhook-cert-secret", self.cert_secret)
+        if self.service is not None and not _DNS_LABEL.match(self.service):
+            raise SettingsError(
+                "--webhook-service", self.service, "a Service name is a DNS label (lowercase)"
+            )
+        for flag, value in (
+            ("--webhook-mutating-config", self.mutating_config),
+            ("--webhook-validating-config", self.validating_config),
+        ):
+            if value is not None and not _DNS_SUBDOMAIN.match(value):
+                raise SettingsError(
+                    flag, value, "a webhook configuration name is a DNS subdomain (lowercase)"
+                )
+        if not self.enabled:
+            return
+        if self.cert_secret is None:
+            raise SettingsError(
+                "--webhook-cert-secret",
+                None,
+                "serving webhooks (--webhook-port > 0) needs the certificate Secret: pass "
+                "NAMESPACE/NAME (the chart's <fullname>-webhook-tls), or --webhook-port=0",
+            )
+        if self.cert_manager:
+            return
+        if self.service is None:
+            raise SettingsError(
+                "--webhook-service",
+                None,
+                "the leader issues the certificate for the webhook Service: pass its name "
+                "(the chart's <fullname>-webhook), or --webhook-cert-manager",
+            )
+        if self.mutating_config is None and self.validating_config is None:
+            raise SettingsError(
+                "--webhook-mutating-config",
+                None,
+                "the leader writes the CA into the webhook configurations: pass "
+                "--webhook-mutating-config and --webhook-validating-config (the chart's "
+                "<fullname>-pods and <fullname>-networks), or --webhook-cert-manager",
+            )
+
+
 @dataclass(frozen=True)
 class OperatorSettings:
     """Everything the running operator is told."""
@@ -129,6 +219,7 @@ class OperatorSettings:
     bind_address: str = "0.0.0.0"
     kubeconfig: str | None = None
     log_level: str = "info"
+    webhook: WebhookSettings = field(default_factory=WebhookSettings)
 
     def __post_init__(self) -> None:
         if not self.identity or len(self.identity) > 128:
@@ -164,6 +255,12 @@ class OperatorSettings:
         if self.metrics_port and self.metrics_port == self.health_port:
             raise SettingsError(
                 "--health-port", self.health_port, "must differ from --metrics-port"
+            )
+        if self.webhook.enabled and self.webhook.port in (self.metrics_port, self.health_port):
+            raise SettingsError(
+                "--webhook-port",
+                self.webhook.port,
+                "must differ from --metrics-port and --health-port",
             )
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise SettingsError(

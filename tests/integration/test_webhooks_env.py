@@ -70,6 +70,8 @@ class WebhookEnv:
             str(CHART),
             "--namespace",
             self.namespace,
+            "--set",
+            f"namespace.name={self.namespace}",  # the operator's namespace (Service, Secret)
             "--kube-version",
             "v1.37.2",
             "--show-only",

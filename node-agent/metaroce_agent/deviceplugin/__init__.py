@@ -4,6 +4,8 @@
   Allocate and GetPreferredAllocation answers; documents what one unit means.
 - `plugin`: `DevicePlugin` (servicer, registration, re-registration on kubelet restart)
   and `PluginConfig`; documents how the agent loop drives it.
+- `feed`: `plugin_devices`, the pure function the agent loop builds the device list with
+  (from discovery, the plan and the apply/drift results).
 - `api.proto` + generated `api_pb2*.py`: the kubelet's API (`gen.py` regenerates them).
 """
 

@@ -62,17 +62,22 @@ from metaroce_agent.deviceplugin.devices import (
     preferred,
     units,
 )
+from metaroce_api import constants
 
 log = logging.getLogger("metaroce.agent.deviceplugin")
 
 API_VERSION = "v1beta1"
-DEVICE_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
+DEVICE_PLUGIN_DIR = Path(constants.DEVICE_PLUGIN_DIR)
 KUBELET_SOCKET = "kubelet.sock"
 
 
 def default_socket_name(resource_name: str) -> str:
     """`metaroce-<resource>.sock` with the resource name made file-name safe."""
-    return "metaroce-" + re.sub(r"[^A-Za-z0-9_.-]", "_", resource_name) + ".sock"
+    return (
+        constants.DEVICE_PLUGIN_SOCKET_PREFIX
+        + re.sub(r"[^A-Za-z0-9_.-]", "_", resource_name)
+        + ".sock"
+    )
 
 
 @dataclass(frozen=True)

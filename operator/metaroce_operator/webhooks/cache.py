@@ -88,10 +88,12 @@ class NetworkWatch:
         from kubernetes.client.exceptions import ApiException
 
         version: str | None = None
+        backoff = 1.0  # doubles up to 10 s while the API fails (e.g. CRDs not installed)
         while not self._stop.is_set():
             try:
                 if version is None:
                     version = self._list()
+                    backoff = 1.0
                     log.info("webhook: %d MetaRoceNetwork(s) loaded", len(self._views))
                 self._watch = watch.Watch()  # type: ignore[no-untyped-call]
                 for event in self._watch.stream(
@@ -126,15 +128,26 @@ class NetworkWatch:
                     continue
                 if self._stop.is_set():
                     return
-                log.warning("webhook: watching MetaRoceNetworks failed (%s); retrying", exc.reason)
+                log.warning(
+                    "webhook: watching MetaRoceNetworks failed (%s %s); retrying in %.0f s",
+                    exc.status,
+                    exc.reason,
+                    backoff,
+                )
                 version = None
-                self._stop.wait(1.0)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 10.0)
             except Exception as exc:  # keep watching whatever happens
                 if self._stop.is_set():
                     return
-                log.warning("webhook: watching MetaRoceNetworks failed (%s); retrying", exc)
+                log.warning(
+                    "webhook: watching MetaRoceNetworks failed (%s); retrying in %.0f s",
+                    exc,
+                    backoff,
+                )
                 version = None
-                self._stop.wait(1.0)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 10.0)
 
 
 class _TtlCache:

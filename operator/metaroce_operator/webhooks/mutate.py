@@ -37,11 +37,7 @@ from typing import Any
 
 from metaroce_api import MetaRoceNetwork
 from metaroce_api.base import DNS_LABEL_RE
-from metaroce_api.constants import GROUP, INJECTED_ANNOTATION, NETWORKS_ANNOTATION
-
-CONTAINER_ANNOTATION = f"{GROUP}/container"
-"""On a Pod: which container NCCL runs in (default: the first). TODO(api): move to
-metaroce_api.constants."""
+from metaroce_api.constants import CONTAINER_ANNOTATION, INJECTED_ANNOTATION, NETWORKS_ANNOTATION
 
 IPC_LOCK = "IPC_LOCK"
 PSS_ENFORCE = "pod-security.kubernetes.io/enforce"
@@ -190,6 +186,11 @@ class _Patch:
             if node is None:
                 self.set(path, dict(value))
                 return
+        if node == {}:
+            # One op for the whole object (the apiserver sends `resources: {}`): the
+            # apiserver pays per op and per byte when it applies the patch.
+            self._add(path, dict(value))
+            return
         for key, item in value.items():
             if isinstance(item, Mapping) and isinstance(node.get(key), dict):
                 self.merge([*path, key], item)

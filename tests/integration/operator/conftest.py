@@ -69,13 +69,13 @@ class OperatorEnv:
 
     def operator_args(self, *extra: str) -> list[str]:
         """The chart's arguments, with free ports (several run on one host), plus `extra`."""
-        args = [
-            a for a in self.chart_args() if not a.startswith(("--metrics-port", "--health-port"))
-        ]
+        ports = ("--metrics-port", "--health-port", "--webhook-port")
+        args = [a for a in self.chart_args() if not a.startswith(ports)]
         return [
             *args,
             f"--metrics-port={free_port()}",
             f"--health-port={free_port()}",
+            f"--webhook-port={free_port()}",
             "--housekeeping-interval=3s",
             *extra,
         ]

@@ -11,7 +11,12 @@ import yaml
 
 from metaroce_cli.main import main as metaroce
 from metaroce_operator.cli import chart_arguments, render_main, settings_from_args
-from metaroce_operator.settings import RenderSettings, SettingsError
+from metaroce_operator.settings import (
+    DEFAULT_AGENT_IMAGE,
+    RenderSettings,
+    SettingsError,
+    WebhookSettings,
+)
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "networks"
 
@@ -79,11 +84,47 @@ def test_operator_flags_and_chart_arguments(monkeypatch: pytest.MonkeyPatch) -> 
     assert s.render == RenderSettings("rdma-system", "example.com/agent:v1")
     assert s.lease_namespace == "rdma-system"
     assert (s.metrics_port, s.health_port) == (8080, 8081)
+    assert s.webhook == WebhookSettings(
+        port=8443,
+        cert_secret="rdma-system/metaroce-webhook-tls",
+        service="metaroce-webhook",
+        mutating_config="metaroce-pods",
+        validating_config="metaroce-networks",
+    )
+    assert s.webhook.secret_ref == ("rdma-system", "metaroce-webhook-tls")
     s = settings_from_args(
         ["--lease-duration=30s", "--renew-deadline=20", "--status-interval=500ms"]
     )
     assert (s.lease_duration, s.renew_deadline, s.status_interval) == (30, 20, 0.5)
     assert s.render.namespace == "rdma-system"  # from POD_NAMESPACE
+    assert not s.webhook.enabled  # the bare operator serves no webhooks
+
+
+def test_chart_arguments_contract() -> None:
+    """The chart's Deployment passes exactly these (charts/metaroce/templates/_helpers.tpl)."""
+    assert chart_arguments(
+        "ns", "example.com/a:v1", fullname="rel-metaroce", webhook_port=9443
+    ) == [
+        "--namespace=ns",
+        "--agent-image=example.com/a:v1",
+        "--metrics-port=8080",
+        "--health-port=8081",
+        "--log-level=info",
+        "--webhook-port=9443",
+        "--webhook-cert-secret=ns/rel-metaroce-webhook-tls",
+        "--webhook-service=rel-metaroce-webhook",
+        "--webhook-mutating-config=rel-metaroce-pods",
+        "--webhook-validating-config=rel-metaroce-networks",
+    ]
+    args = chart_arguments("ns", "example.com/a:v1", cert_manager=True)
+    assert args[-1] == "--webhook-cert-manager"
+    s = settings_from_args(args)
+    assert s.webhook.cert_manager and s.webhook.enabled
+    # cert-manager owns the Secret and the caBundles: only the Secret name is needed.
+    s = settings_from_args(
+        ["--webhook-port=8443", "--webhook-cert-secret=ns/tls", "--webhook-cert-manager"]
+    )
+    assert s.webhook.service is None
 
 
 @pytest.mark.parametrize(
@@ -96,6 +137,25 @@ def test_operator_flags_and_chart_arguments(monkeypatch: pytest.MonkeyPatch) -> 
         (["--status-interval=soon"], "--status-interval"),
         (["--metrics-port=8081"], "--health-port"),
         (["--kubeconfig=/nonexistent"], "--kubeconfig"),
+        (
+            [
+                "--webhook-port=8081",
+                "--webhook-cert-secret=ns/tls",
+                "--webhook-cert-manager",
+            ],
+            "--webhook-port",
+        ),
+        (["--webhook-port=8443"], "--webhook-cert-secret"),
+        (["--webhook-port=8443", "--webhook-cert-secret=no-slash"], "--webhook-cert-secret"),
+        (["--webhook-port=8443", "--webhook-cert-secret=Bad_NS/x"], "--webhook-cert-secret"),
+        (["--webhook-port=8443", "--webhook-cert-secret=ns/tls"], "--webhook-service"),
+        (
+            ["--webhook-port=8443", "--webhook-cert-secret=ns/tls", "--webhook-service=svc"],
+            "--webhook-mutating-config",
+        ),
+        (["--webhook-service=Bad_Svc"], "--webhook-service"),
+        (["--webhook-cert-check-interval=500ms"], "--webhook-cert-check-interval"),
+        (["--webhook-mutating-config=UPPER"], "--webhook-mutating-config"),
     ],
 )
 def test_bad_flags_name_the_flag(argv: list[str], flag: str) -> None:
@@ -108,3 +168,16 @@ def test_bad_flags_name_the_flag(argv: list[str], flag: str) -> None:
 def test_run_main_reports_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert metaroce(["operator", "--lease-name=UPPER"]) == 2
     assert "--lease-name" in capsys.readouterr().err
+    assert metaroce(["operator", "--webhook-port=8443"]) == 2
+    assert "--webhook-cert-secret" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        settings_from_args(["--webhook-port=70000"])
+    assert "--webhook-port: '70000' is not a port number" in capsys.readouterr().err
+
+
+def test_default_agent_image_is_tagged_with_the_charts_app_version() -> None:
+    # One tag source: the operator's default must name the image the chart and
+    # hack/build-images.sh produce.
+    chart = Path(__file__).resolve().parents[3] / "charts" / "metaroce" / "Chart.yaml"
+    app_version = yaml.safe_load(chart.read_text())["appVersion"]
+    assert f"ghcr.io/metaroce/metaroce-agent:{app_version}" == DEFAULT_AGENT_IMAGE

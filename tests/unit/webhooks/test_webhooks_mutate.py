@@ -313,3 +313,23 @@ def test_few_patch_operations() -> None:
         "limits": {"metaroce.io/backend": "1"},
     }
     assert len(env_of(out)) == 4
+
+
+def test_empty_resources_as_the_apiserver_sends_them_take_one_op() -> None:
+    # The apiserver defaults `resources: {}`: one op replaces it (fewer ops and bytes for
+    # the apiserver to apply), and the result is the same.
+    p = pod(containers=[{"name": "main", "image": "x", "resources": {}}])
+    out, decision = mutated(p)
+    ops = [op for op in decision.patch if "resources" in op["path"]]
+    assert ops == [
+        {
+            "op": "add",
+            "path": "/spec/containers/0/resources",
+            "value": {
+                "requests": {"metaroce.io/backend": "1"},
+                "limits": {"metaroce.io/backend": "1"},
+            },
+        }
+    ]
+    assert out["spec"]["containers"][0]["resources"]["limits"] == {"metaroce.io/backend": "1"}
+    assert p["spec"]["containers"][0]["resources"] == {}  # the input is never modified

@@ -214,3 +214,30 @@ def test_internal_errors_fail_closed_with_a_message(tmp_path: Path) -> None:
         assert "RuntimeError: boom" in answer["status"]["message"]
     finally:
         h.server.stop()
+
+
+def test_app_readiness_needs_a_certificate_and_a_synced_cache(tmp_path: Path) -> None:
+    """What the operator's /readyz reports for its webhook (the API is unreachable here, so
+    the network watch keeps retrying and the test marks the cache synced itself)."""
+    from kubernetes import client
+
+    from metaroce_operator.webhooks.server import AppOptions, WebhookApp
+
+    config = client.Configuration()
+    config.host = "https://127.0.0.1:1"
+    app = WebhookApp(
+        AppOptions(cert_dir=tmp_path, address="127.0.0.1", port=0), client.ApiClient(config)
+    )
+    ok, why = app.ready()
+    assert not ok and "no serving certificate" in why
+    write_cert_files(make_bundle(), tmp_path)
+    app.start()
+    try:
+        ok, why = app.ready()
+        assert not ok and "not loaded the MetaRoceNetworks" in why
+        app.watch.set_views(NETS)
+        app.watch.synced.set()
+        ok, why = app.ready()
+        assert ok and why.startswith("webhook serving on port")
+    finally:
+        app.stop()
