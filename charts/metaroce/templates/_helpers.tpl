@@ -1,6 +1,16 @@
 {{/* Names and labels shared by every template. */}}
+{{/* "<release>-metaroce", or the release name when it already says metaroce. */}}
 {{- define "metaroce.fullname" -}}
+{{- if contains "metaroce" .Release.Name -}}
+{{- .Release.Name | trunc 52 | trimSuffix "-" -}}
+{{- else -}}
 {{- printf "%s-metaroce" .Release.Name | trunc 52 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The namespace of the operator, its agents, the lease and the webhook Secret. */}}
+{{- define "metaroce.namespace" -}}
+{{- .Values.namespace.name -}}
 {{- end -}}
 
 {{- define "metaroce.labels" -}}
@@ -26,10 +36,48 @@ app.kubernetes.io/component: operator
 {{- printf "%s:%s" .Values.agent.image.repository (default .Chart.AppVersion .Values.agent.image.tag) -}}
 {{- end -}}
 
+{{- define "metaroce.serviceAccount" -}}
+{{- include "metaroce.fullname" . -}}
+{{- end -}}
+
 {{- define "metaroce.webhookService" -}}
 {{- printf "%s-webhook" (include "metaroce.fullname" .) -}}
 {{- end -}}
 
 {{- define "metaroce.certSecret" -}}
 {{- printf "%s-webhook-tls" (include "metaroce.fullname" .) -}}
+{{- end -}}
+
+{{- define "metaroce.podsWebhook" -}}
+{{- printf "%s-pods" (include "metaroce.fullname" .) -}}
+{{- end -}}
+
+{{- define "metaroce.networksWebhook" -}}
+{{- printf "%s-networks" (include "metaroce.fullname" .) -}}
+{{- end -}}
+
+{{/* The operator's fixed ports (operator/metaroce_operator/cli.py METRICS_PORT, HEALTH_PORT). */}}
+{{- define "metaroce.metricsPort" -}}8080{{- end -}}
+{{- define "metaroce.healthPort" -}}8081{{- end -}}
+
+{{/*
+The operator's arguments: exactly operator/metaroce_operator/cli.py chart_arguments(
+namespace, agent image, fullname, webhook port, cert-manager), with the log level from
+values (tests/integration/chart checks that they agree).
+*/}}
+{{- define "metaroce.operatorArgs" -}}
+{{- $fullname := include "metaroce.fullname" . -}}
+- --namespace={{ include "metaroce.namespace" . }}
+- --agent-image={{ include "metaroce.agentImage" . }}
+- --metrics-port={{ include "metaroce.metricsPort" . }}
+- --health-port={{ include "metaroce.healthPort" . }}
+- --log-level={{ .Values.operator.logLevel }}
+- --webhook-port={{ .Values.webhook.port }}
+- --webhook-cert-secret={{ include "metaroce.namespace" . }}/{{ include "metaroce.certSecret" . }}
+- --webhook-service={{ include "metaroce.webhookService" . }}
+- --webhook-mutating-config={{ include "metaroce.podsWebhook" . }}
+- --webhook-validating-config={{ include "metaroce.networksWebhook" . }}
+{{- if .Values.webhook.certManager.enabled }}
+- --webhook-cert-manager
+{{- end }}
 {{- end -}}

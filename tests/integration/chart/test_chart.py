@@ -1,0 +1,454 @@
+"""The Helm chart on the local control plane (issue 7).
+
+Offline checks first (lint, the operator's arguments, the schema's refusals, the
+monitoring objects' metric names), then `helm template | kubectl apply --dry-run=server`,
+then one release installed for the module: CRDs, webhook configurations, RBAC as the
+chart's service accounts see it, the real operator run with the chart's arguments and
+ServiceAccount token reconciling samples/softroce-dev.yaml, the documented upgrade path,
+and `helm uninstall` leaving only the CRDs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from metaroce_api import constants as c
+from metaroce_harness import chart
+from metaroce_harness.cluster import LocalCluster, free_port
+from metaroce_harness.polling import wait_for
+from metaroce_operator.cli import chart_arguments
+from metaroce_operator.render.common import child_name
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "operator"))
+from operator_env import OperatorProcess, get_json  # the operator tests' own helpers
+
+REPO = Path(__file__).resolve().parents[3]
+SAMPLE = REPO / "samples" / "softroce-dev.yaml"
+VERSION = str(yaml.safe_load((chart.CHART_DIR / "Chart.yaml").read_text())["appVersion"])
+OPTIONAL_ON = {
+    "metrics": {
+        "serviceMonitor": {"enabled": True},
+        "prometheusRule": {"enabled": True},
+        "grafanaDashboard": {"enabled": True},
+    }
+}
+
+
+def agent_image(tag: str = VERSION) -> str:
+    return f"ghcr.io/metaroce/metaroce-agent:{tag}"
+
+
+# --------------------------------------------------------------------------- offline
+
+
+@pytest.mark.parametrize(
+    "values", [{}, OPTIONAL_ON, {"webhook": {"certManager": {"enabled": True}}}]
+)
+def test_helm_lint_is_clean(cluster: LocalCluster, values: dict[str, Any]) -> None:
+    out = cluster.helm("lint", "--strict", str(chart.CHART_DIR), *chart.set_flags(values))
+    assert "0 chart(s) failed" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [
+        ({}, chart_arguments("metaroce-system", agent_image(), "metaroce", 8443, False)),
+        (
+            {
+                "namespace": {"name": "rdma-ops"},
+                "agent": {"image": {"tag": "1.2.3"}},
+                "webhook": {"port": 9443, "certManager": {"enabled": True}},
+                "operator": {"logLevel": "debug"},
+            },
+            [
+                "--log-level=debug" if a == "--log-level=info" else a
+                for a in chart_arguments("rdma-ops", agent_image("1.2.3"), "metaroce", 9443, True)
+            ],
+        ),
+    ],
+    ids=["defaults", "changed"],
+)
+def test_deployment_passes_exactly_chart_arguments(
+    cluster: LocalCluster, values: dict[str, Any], expected: list[str]
+) -> None:
+    docs = chart.render(cluster, "metaroce", values)
+    assert chart.operator_args(docs) == expected
+    deploy = chart.find(docs, "Deployment")
+    pod = deploy["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert deploy["spec"]["replicas"] == 2
+    assert container["image"] == f"ghcr.io/metaroce/metaroce-operator:{VERSION}"
+    env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"]}
+    assert env == {"POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace"}
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {
+        "metrics": 8080,
+        "health": 8081,
+        "webhook": values.get("webhook", {}).get("port", 8443),
+    }
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "health"}
+    sc = container["securityContext"]
+    assert sc["readOnlyRootFilesystem"] and sc["runAsNonRoot"]
+    assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert chart.find(docs, "PodDisruptionBudget")["spec"]["minAvailable"] == 1
+
+
+def test_one_namespace_is_privileged_and_holds_everything(cluster: LocalCluster) -> None:
+    docs = chart.render(cluster, "metaroce", OPTIONAL_ON)
+    namespaces = [d for d in docs if d["kind"] == "Namespace"]
+    assert [n["metadata"]["name"] for n in namespaces] == ["metaroce-system"]
+    assert namespaces[0]["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
+    for doc in docs:
+        ns = doc["metadata"].get("namespace")
+        assert ns in (None, "metaroce-system"), f"{doc['kind']} {doc['metadata']['name']} in {ns}"
+
+
+@pytest.mark.parametrize(
+    ("values", "words"),
+    [
+        ({"operator": {"replicas": "two"}}, ["/operator/replicas", "want integer"]),
+        ({"operator": {"replica": 2}}, ["/operator", "'replica' not allowed"]),
+        (
+            {"webhook": {"failurePolicy": "Sometimes"}},
+            ["/webhook/failurePolicy", "'Fail', 'Ignore'"],
+        ),
+        ({"operator": {"image": {"tag": "latest"}}}, ["/operator/image/tag"]),
+        ({"nameSpace": {"name": "x"}}, ["'nameSpace' not allowed"]),
+    ],
+    ids=["wrong-type", "unknown-key", "bad-enum", "latest-tag", "unknown-top-level"],
+)
+def test_bad_values_are_refused_naming_the_key(
+    cluster: LocalCluster, tmp_path: Path, values: dict[str, Any], words: list[str]
+) -> None:
+    values_file = tmp_path / "values.yaml"
+    values_file.write_text(yaml.safe_dump(values))
+    proc = cluster.helm(
+        "install", "refused", str(chart.CHART_DIR), "-f", str(values_file), "--dry-run=server",
+        check=False,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "values don't meet the specifications of the schema" in proc.stderr, proc.stderr
+    for word in words:
+        assert word in proc.stderr, proc.stderr
+
+
+def _declared_metrics() -> set[str]:
+    names: set[str] = set()
+    for path in (
+        REPO / "operator/metaroce_operator/metrics.py",
+        REPO / "node-agent/metaroce_agent/exporter.py",
+    ):
+        names |= set(re.findall(r'"(metaroce_[a-z_]+)"', path.read_text()))
+    return names
+
+
+def test_alerts_and_dashboard_use_real_metric_names(cluster: LocalCluster) -> None:
+    docs = chart.render(cluster, "metaroce", OPTIONAL_ON)
+    rules = chart.find(docs, "PrometheusRule")["spec"]["groups"][0]["rules"]
+    alerts = {r["alert"] for r in rules}
+    assert {"MetaRoceNetworkDegraded", "MetaRoceNodeQoSDrift", "MetaRoceRdmaProbeLoss"} <= alerts
+    dashboard = chart.find(docs, "ConfigMap")["data"]["metaroce-fabric.json"]
+    json.loads(dashboard)
+    exprs = " ".join(r["expr"] for r in rules) + dashboard
+    declared = _declared_metrics()
+    used = set(re.findall(r"metaroce_[a-z_]+", exprs))
+    # RDMA counters are named after the sysfs files (exporter.py metric_name); the rest
+    # must be declared (a counter is exposed with `_total`).
+    unknown = {
+        m
+        for m in used
+        if not m.startswith(("metaroce_rdma_port_", "metaroce_rdma_hw_"))
+        and m not in declared
+        and m.removesuffix("_total") not in declared
+    }
+    assert not unknown, f"metrics used by the chart but never exported: {unknown}"
+    monitor = chart.find(docs, "ServiceMonitor")
+    metrics_svc = chart.find(docs, "Service", "metaroce-metrics")
+    assert monitor["spec"]["endpoints"][0]["port"] == metrics_svc["spec"]["ports"][0]["name"]
+
+
+# --------------------------------------------------------------------------- server-side dry run
+
+# The Prometheus Operator's and cert-manager's CRDs cannot be downloaded here: minimal
+# stand-ins make their kinds known, so the dry run checks that the objects are
+# well-formed Kubernetes objects in existing namespaces; their content is checked above.
+STAND_INS = [
+    ("monitoring.coreos.com", "ServiceMonitor", "servicemonitors"),
+    ("monitoring.coreos.com", "PodMonitor", "podmonitors"),
+    ("monitoring.coreos.com", "PrometheusRule", "prometheusrules"),
+    ("cert-manager.io", "Issuer", "issuers"),
+    ("cert-manager.io", "Certificate", "certificates"),
+]
+
+
+def stand_in_crd(group: str, kind: str, plural: str) -> dict[str, Any]:
+    schema = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{plural}.{group}"},
+        "spec": {
+            "group": group,
+            "scope": "Namespaced",
+            "names": {"kind": kind, "plural": plural, "singular": kind.lower()},
+            "versions": [
+                {
+                    "name": "v1",
+                    "served": True,
+                    "storage": True,
+                    "schema": {"openAPIV3Schema": schema},
+                }
+            ],
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def stand_ins(cluster: LocalCluster) -> Iterator[None]:
+    # Module-scoped: a CRD deleted and re-made at once would still be terminating.
+    crds = [stand_in_crd(*s) for s in STAND_INS]
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(crds))
+    names = [f"crd/{d['metadata']['name']}" for d in crds]
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", *names)
+    try:
+        yield
+    finally:
+        cluster.kubectl("delete", *names, "--wait=false", check=False)
+
+
+@pytest.mark.parametrize(
+    "values", [OPTIONAL_ON, {"webhook": {"certManager": {"enabled": True}}}], ids=["all", "cm"]
+)
+def test_rendered_objects_pass_server_side_dry_run(
+    cluster: LocalCluster, namespace: str, stand_ins: None, values: dict[str, Any]
+) -> None:
+    # The chart's namespace must exist for a dry run of what goes in it: use the test's.
+    merged = {**values, "namespace": {"name": namespace, "create": False}}
+    docs = chart.render(cluster, f"dry-{namespace}", merged)
+    proc = cluster.kubectl(
+        "apply", "--dry-run=server", "-o", "name", "-f", "-", input=yaml.safe_dump_all(docs)
+    )
+    assert len(proc.stdout.split()) == len(docs), proc.stdout
+
+
+# --------------------------------------------------------------------------- installed
+
+
+class Release:
+    def __init__(self, cluster: LocalCluster, tmp: Path) -> None:
+        tag = secrets.token_hex(3)
+        self.cluster = cluster
+        self.tmp = tmp
+        self.name = f"metaroce-{tag}"
+        self.namespace = f"mr-{tag}"
+        self.fullname = self.name
+        self.operator: OperatorProcess | None = None
+        self.webhook_port = free_port()
+
+    def helm(self, verb: str, values: dict[str, Any], *extra: str) -> str:
+        # The operator runs on the host (start_operator): its pods must not be "Ready".
+        base = {"namespace": {"name": self.namespace}, **chart.HOST_OPERATOR_VALUES}
+        merged = {**base, **values}
+        merged["operator"] = {**base["operator"], **values.get("operator", {})}
+        return self.cluster.helm(
+            verb, self.name, str(chart.CHART_DIR), "-n", "default", "--wait=false",
+            *chart.set_flags(merged), *extra,
+        ).stdout  # fmt: skip
+
+    def sa(self) -> str:
+        return f"system:serviceaccount:{self.namespace}:{self.fullname}"
+
+    def can(self, who: str, *args: str) -> bool:
+        proc = self.cluster.kubectl("auth", "can-i", f"--as={who}", *args, check=False)
+        return proc.stdout.strip() == "yes"
+
+    def start_operator(self) -> OperatorProcess:
+        """The real operator, as the chart's pod: its arguments (free ports on this
+        host), its ServiceAccount's token, in the pod network behind the chart's Service."""
+        assert self.cluster.pod_network is not None
+        docs = chart.render(self.cluster, self.name, {"namespace": {"name": self.namespace}})
+        args = chart.operator_args(docs)
+        args = chart.replace_arg(args, "--webhook-port", str(self.webhook_port))
+        args = chart.replace_arg(args, "--metrics-port", str(free_port()))
+        args = chart.replace_arg(args, "--health-port", str(free_port()))
+        kubeconfig = chart.token_kubeconfig(
+            self.cluster, self.namespace, self.fullname, self.tmp / "operator.kubeconfig",
+            server=f"https://{self.cluster.pod_network.host_ip}:{self.cluster.api_port}",
+        )  # fmt: skip
+        chart.route_service_to_pod_network(
+            self.cluster, self.namespace, f"{self.fullname}-webhook", "https", self.webhook_port
+        )
+        self.operator = OperatorProcess(
+            args,
+            kubeconfig=kubeconfig,
+            log_path=self.tmp / "operator.log",
+            identity=f"{self.fullname}-0",
+            netns=self.cluster.pod_network.netns,
+            host=self.cluster.pod_network.pod_ip,
+            env={"POD_NAMESPACE": self.namespace},
+        ).start()
+        return self.operator
+
+    def stop(self) -> None:
+        if self.operator is not None:
+            self.operator.stop()
+
+
+@pytest.fixture(scope="module")
+def release(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Release]:
+    rel = Release(cluster, tmp_path_factory.mktemp("chart"))
+    out = rel.helm("install", {})
+    assert "kubectl apply --server-side -f crds/" in out  # NOTES: the next commands
+    try:
+        yield rel
+    finally:
+        rel.stop()
+        cluster.kubectl("delete", c.NETWORK_PLURAL, "dev-softroce", "--wait=false", check=False)
+        cluster.helm("uninstall", rel.name, "-n", "default", check=False)
+        cluster.kubectl("delete", "namespace", rel.namespace, "--wait=false", check=False)
+
+
+def test_install_makes_crds_webhooks_and_rbac(cluster: LocalCluster, release: Release) -> None:
+    cluster.kubectl(
+        "wait", "--for=condition=Established", "--timeout=60s",
+        f"crd/{c.NETWORK_CRD_NAME}", f"crd/{c.NODESTATE_CRD_NAME}",
+    )  # fmt: skip
+    cluster.kubectl("get", "mutatingwebhookconfiguration", f"{release.fullname}-pods")
+    cluster.kubectl("get", "validatingwebhookconfiguration", f"{release.fullname}-networks")
+    ns = json.loads(cluster.kubectl("get", "namespace", release.namespace, "-o", "json").stdout)
+    assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
+    sa, own = release.sa(), release.namespace
+    assert release.can(sa, "watch", "metarocenetworks.metaroce.io")
+    assert release.can(sa, "patch", "metarocenetworks.metaroce.io", "--subresource=status")
+    assert release.can(sa, "patch", "nodes")
+    assert release.can(sa, "create", "daemonsets.apps", "-n", own)
+    assert release.can(sa, "update", "leases.coordination.k8s.io/metaroce-operator", "-n", own)
+    assert release.can(sa, "get", f"secrets/{release.fullname}-webhook-tls", "-n", own)
+    # Least privilege: nothing outside what the code calls.
+    assert not release.can(sa, "get", "secrets", "-n", "default")
+    assert not release.can(sa, "get", "secrets", "-n", "kube-system")
+    assert not release.can(sa, "list", "secrets", "-n", own)
+    assert not release.can(sa, "get", "secrets/other", "-n", own)
+    assert not release.can(sa, "create", "daemonsets.apps", "-n", "default")
+    assert not release.can(sa, "list", "pods", "-A")
+    assert not release.can(sa, "patch", "mutatingwebhookconfigurations/someone-elses")
+    assert not release.can(sa, "escalate", "clusterroles")
+    assert not release.can(sa, "bind", "clusterroles")
+
+
+def test_operator_with_chart_credentials_reconciles_the_sample(
+    cluster: LocalCluster, release: Release
+) -> None:
+    cluster.kubectl("label", "node", "kwok-a1", "kwok-a2", "metaroce.io/rdma=true", "--overwrite")
+    try:
+        op = release.start_operator()
+
+        # The leader issues the webhook certificate and writes the caBundles.
+        def ca_bundles() -> bool:
+            for kind, name in (("mutatingwebhookconfiguration", "pods"),
+                               ("validatingwebhookconfiguration", "networks")):  # fmt: skip
+                obj = json.loads(cluster.kubectl(
+                    "get", kind, f"{release.fullname}-{name}", "-o", "json").stdout)  # fmt: skip
+                if not all(w["clientConfig"].get("caBundle") for w in obj["webhooks"]):
+                    return False
+            return True
+
+        wait_for(
+            f"the caBundles ({op.log_path})", lambda: not op.alive() or ca_bundles(), timeout=90
+        )
+        assert op.alive(), op.log()[-3000:]
+        # Through the validating webhook (failurePolicy Fail) into the operator.
+        cluster.kubectl("apply", "-f", str(SAMPLE))
+        ns = release.namespace
+        name = "dev-softroce"
+        wait_for("the DaemonSet", lambda: cluster.kubectl(
+            "get", "daemonset", child_name(name), "-n", ns, check=False).returncode == 0,
+            timeout=90)  # fmt: skip
+        cm = json.loads(
+            cluster.kubectl("get", "configmap", child_name(name), "-n", ns, "-o", "json").stdout
+        )
+        assert c.AGENT_CONFIG_KEY in cm["data"]
+
+        def status() -> dict[str, Any] | None:
+            net = json.loads(cluster.kubectl("get", c.NETWORK_PLURAL, name, "-o", "json").stdout)
+            st = net.get("status") or {}
+            return st if st.get("conditions") and st.get("observedGeneration") == 1 else None
+
+        st = wait_for("the network's status", status, timeout=90)
+        assert {cond["type"] for cond in st["conditions"]} >= {"Ready", c.CONDITION_DEGRADED}
+        # The agents' RBAC as rendered by the operator: no Pods, no Secrets.
+        agent = f"system:serviceaccount:{ns}:{child_name(name)}"
+        assert release.can(agent, "create", "metarocenodestates.metaroce.io")
+        assert release.can(agent, "get", f"metarocenetworks.metaroce.io/{name}")
+        for verb, what in (("get", "pods"), ("create", "pods"), ("delete", "pods"),
+                           ("get", "secrets"), ("list", "secrets")):  # fmt: skip
+            assert not release.can(agent, verb, what, "-A"), f"the agent may {verb} {what}"
+        # Every call the operator made was allowed by the chart's RBAC.
+        log = op.log()
+        assert " 403" not in log and "Forbidden" not in log and "forbidden" not in log, log[-4000:]
+    finally:
+        cluster.kubectl("label", "node", "kwok-a1", "kwok-a2", "metaroce.io/rdma-", check=False)
+
+
+def test_upgrade_path_crds_first_then_helm_upgrade(
+    cluster: LocalCluster, release: Release, tmp_path: Path
+) -> None:
+    # A changed CRD (a new printer column), applied the documented way.
+    crd_path = chart.CRD_DIR / "metaroce.io_metarocenodestates.yaml"
+    crd = yaml.safe_load(crd_path.read_text())
+    cols = crd["spec"]["versions"][0].setdefault("additionalPrinterColumns", [])
+    cols.append({"name": "Upgraded", "type": "string", "jsonPath": ".spec.node"})
+    changed = tmp_path / "crds"
+    changed.mkdir()
+    (changed / crd_path.name).write_text(yaml.safe_dump(crd))
+    try:
+        cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(changed))
+        live = json.loads(cluster.kubectl("get", "crd", c.NODESTATE_CRD_NAME, "-o", "json").stdout)
+        assert "Upgraded" in [
+            col["name"] for col in live["spec"]["versions"][0]["additionalPrinterColumns"]
+        ]
+        release.helm(
+            "upgrade", {"webhook": {"timeoutSeconds": 7}, "operator": {"logLevel": "debug"}}
+        )
+        hook = get_json(cluster, "validatingwebhookconfiguration", f"{release.fullname}-networks")
+        assert hook["webhooks"][0]["timeoutSeconds"] == 7
+        # The caBundle the leader wrote survives the upgrade (the chart looks it up).
+        assert hook["webhooks"][0]["clientConfig"].get("caBundle")
+        deploy = get_json(cluster, "deployment", release.fullname, "-n", release.namespace)
+        assert "--log-level=debug" in deploy["spec"]["template"]["spec"]["containers"][0]["args"]
+    finally:
+        cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(chart.CRD_DIR))
+
+
+def test_uninstall_leaves_only_the_crds(cluster: LocalCluster, release: Release) -> None:
+    release.stop()
+    # The sample has cleanupOnDelete, and no agent runs here to revert the nodes: drop
+    # the finalizer as an admin would, then delete it.
+    name = "dev-softroce"
+    cluster.kubectl("patch", c.NETWORK_PLURAL, name, "--type=merge", "-p",
+                    '{"metadata":{"finalizers":null}}', check=False)  # fmt: skip
+    cluster.kubectl("delete", c.NETWORK_PLURAL, name, "--ignore-not-found", "--timeout=60s")
+    cluster.helm("uninstall", release.name, "-n", "default", "--wait", "--timeout=120s")
+    label = f"app.kubernetes.io/instance={release.name}"
+    left = cluster.kubectl(
+        "get", "clusterroles,clusterrolebindings,mutatingwebhookconfigurations,"
+        "validatingwebhookconfigurations", "-l", label, "-o", "name",
+    ).stdout.split()  # fmt: skip
+    assert left == []
+    phase = cluster.kubectl(
+        "get", "namespace", release.namespace, "-o", "jsonpath={.status.phase}", check=False
+    )
+    assert phase.returncode != 0 or phase.stdout == "Terminating"
+    for crd in (c.NETWORK_CRD_NAME, c.NODESTATE_CRD_NAME):
+        cluster.kubectl("get", "crd", crd)  # documented leftovers: the CRDs
