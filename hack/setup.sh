@@ -47,3 +47,4 @@ if [[ -f hack/build-guest.sh && "${METAROCE_SKIP_GUEST_IMAGE:-0}" != 1 ]]; then
   bash hack/build-guest.sh >/dev/null
   say "SoftRoCE guest image ready ($((SECONDS - t0)) s)"
 fi
+[[ "${METAROCE_SKIP_IMAGES:-0}" == 1 ]] || { t0=$SECONDS; bash hack/build-images.sh >/dev/null; say "container images ready ($((SECONDS - t0)) s)"; }

@@ -38,7 +38,10 @@ Usage::
 API (all timeouts in seconds):
 
 - ``GuestCluster(count=2, *, memory_mb=1024, cpus=1, share=REPO_ROOT, image=None,
-  boot_timeout=120.0, boot_attempts=2, log_dir=None, kernel_args="", qemu=None)``:
+  boot_timeout=120.0, boot_attempts=2, log_dir=None, kernel_args="", qemu=None,
+  shares=None, host_forwards=None)``: ``shares`` maps guest paths to host directories
+  shared read-only over 9p; ``host_forwards(index)`` gives qemu ``hostfwd`` rules for
+  guest ``index``'s user-net NIC (e.g. ``tcp:127.0.0.1:8080-:80``).
   ``start()``/``close()`` or a ``with`` block; ``len()``, indexing and iteration give
   ``Guest`` objects; ``run_all(cmd, **kw)`` runs a command on every guest in parallel.
   Booting is parallel; a guest that does not come up within ``boot_timeout`` (a hung
@@ -812,6 +815,8 @@ class GuestCluster:
         log_dir: Path | str | None = None,
         kernel_args: str = "",
         qemu: str | None = None,
+        shares: Mapping[str, Path | str] | None = None,
+        host_forwards: Callable[[int], Sequence[str]] | None = None,
     ) -> None:
         if count < 1:
             raise ValueError("count must be at least 1")
@@ -826,6 +831,17 @@ class GuestCluster:
         self.boot_attempts = max(1, boot_attempts)
         self.kernel_args = kernel_args
         self.qemu = qemu or "qemu-system-x86_64"
+        # Extra read-only 9p shares: guest path -> host directory.
+        self.shares = {k: Path(v).resolve() for k, v in (shares or {}).items()}
+        for guest_path, host_dir in self.shares.items():
+            if not guest_path.startswith("/") or " " in guest_path or "," in guest_path:
+                raise ValueError(
+                    f"shares: guest path {guest_path!r} must be absolute, without spaces or commas"
+                )
+            if not host_dir.is_dir():
+                raise ValueError(f"shares[{guest_path!r}]: {host_dir} is not a directory")
+        # qemu user-net hostfwd rules per guest index, e.g. "tcp:127.0.0.1:8080-:80".
+        self.host_forwards = host_forwards
         self._log_dir_arg = Path(log_dir) if log_dir is not None else None
         self.log_dir: Path | None = None
         self.run_dir: Path | None = None
@@ -940,6 +956,8 @@ class GuestCluster:
         n = g.index + 1
         env_path = [f"{GUEST_SHARE}/{d}" for d in PACKAGE_DIRS] if self.share else []
         env_path.append(GUEST_PYTHON_DIR)
+        forwards = self.host_forwards(g.index) if self.host_forwards else ()
+        hostfwd = [f"hostfwd={rule}" for rule in forwards]
         cmdline = [
             DEFAULT_KERNEL_ARGS,
             f"metaroce.hostname={g.name}",
@@ -948,6 +966,7 @@ class GuestCluster:
             f"metaroce.nic=eth1,52:54:00:02:{n >> 8:02x}:{n & 0xFF:02x},10.0.2.15/24,10.0.2.2",
             f"metaroce.mount=gpy,{GUEST_PYTHON_DIR}",
             *([f"metaroce.mount=share,{GUEST_SHARE}"] if self.share is not None else []),
+            *(f"metaroce.mount=x{i},{p}" for i, p in enumerate(self.shares)),
             f"metaroce.env=PYTHONPATH={':'.join(env_path)}",
             f"metaroce.env=METAROCE_NODE={g.name}",
             f"metaroce-owner={os.getpid()}",
@@ -972,7 +991,7 @@ class GuestCluster:
             f"dgram,id=l2,local.type=unix,local.path={g.l2_socket},"
             f"remote.type=unix,remote.path={self.run_dir / 'hub.l2'}",
             "-device", f"virtio-net-pci,netdev=l2,mac={g.mac},romfile=",
-            "-netdev", "user,id=wan,net=10.0.2.0/24",
+            "-netdev", ",".join(["user,id=wan,net=10.0.2.0/24", *hostfwd]),
             "-device",
             f"virtio-net-pci,netdev=wan,mac=52:54:00:02:{n >> 8:02x}:{n & 0xFF:02x},romfile=",
             "-virtfs",
@@ -991,6 +1010,12 @@ class GuestCluster:
             argv += [
                 "-virtfs",
                 f"local,path={self.share},mount_tag=share,security_model=none,"
+                "readonly=on,multidevs=remap",
+            ]
+        for i, host_dir in enumerate(self.shares.values()):
+            argv += [
+                "-virtfs",
+                f"local,path={host_dir},mount_tag=x{i},security_model=none,"
                 "readonly=on,multidevs=remap",
             ]
         return argv

@@ -65,18 +65,26 @@ def test_offline_render_has_no_owner_reference(settings: RenderSettings) -> None
 def test_daemonset_runs_privileged_host_network_agent(settings: RenderSettings) -> None:
     objs = render_network(network(), settings)
     spec = pod_spec(objs)
-    assert spec["hostNetwork"] is True and spec["hostPID"] is False
+    # hostPID: revert must see the node's processes that hold an rxe link.
+    assert spec["hostNetwork"] is True and spec["hostPID"] is True
     assert spec["dnsPolicy"] == "ClusterFirstWithHostNet"
     assert spec["priorityClassName"] == "system-node-critical"
     (container,) = spec["containers"]
     assert container["securityContext"] == {"privileged": True}
-    assert container["command"] == ["metaroce", "agent", "--config", "/etc/metaroce/agent.yaml"]
+    assert container["command"] == [
+        "metaroce",
+        "agent",
+        "--config",
+        "/etc/metaroce/agent.yaml",
+        "--require-pyverbs",
+    ]
     assert container["image"] == "example.com/agent:v1"
     env = {e["name"]: e for e in container["env"]}
     assert env["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
     mounts = {m["mountPath"] for m in container["volumeMounts"]}
     assert {
         "/sys",
+        "/sys/kernel/config",
         "/dev",
         "/lib/modules",
         "/run/metaroce",
@@ -143,7 +151,7 @@ def _hash(objs: list[dict[str, Any]]) -> str:
     [
         {"health": {"action": "taint"}},
         {"health": {"maxTaintedFraction": 0.5}},
-        {"attachment": {"ncclEnv": ["NCCL_IB_HCA"]}},
+        {"attachment": {"ncclEnv": ["NCCL_IB_HCA", "NCCL_IB_GID_INDEX"]}},  # webhook-only ones
         {"agent": {"updateStrategy": {"maxUnavailable": 3}}},
     ],
 )

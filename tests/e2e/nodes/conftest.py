@@ -1,0 +1,115 @@
+"""Fixtures of the real-node e2e tests: a kubeconfig and a node list, whoever made them.
+
+By default the session builds its own cluster: the local control plane
+(``LocalCluster``) with two SoftRoCE guests as real nodes (``RealNodes``: containerd,
+CNI and the pinned kubelet in each guest, the project's images imported from
+``hack/build-images.sh``'s archives). With ``METAROCE_E2E_KUBECONFIG`` and
+``METAROCE_E2E_NODES`` (comma-separated node names) the same tests run against any
+cluster whose nodes have rdma_rxe and the project's images (docs/kind.md);
+``METAROCE_E2E_TEST_IMAGE`` names the RDMA test image there
+(default ``localhost/metaroce-rdma-test:<app version>``).
+
+After the session nothing of the harness may be left: no qemu, no node addresses on
+the host's lo, no cluster directories of this process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from metaroce_harness.cluster import LocalCluster, ensure_binaries
+from metaroce_harness.nodes import APISERVER_ARGS, RealNodes, leftover_addresses
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+
+@dataclass
+class Kube:
+    """What the tests get: a kubeconfig, the nodes to use and how to run kubectl."""
+
+    kubeconfig: Path
+    nodes: list[str]
+    test_image: str
+    kubectl_bin: str
+    real_nodes: RealNodes | None = None  # only when this session made the cluster
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def kubectl(
+        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 120.0
+    ) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(
+            [self.kubectl_bin, f"--kubeconfig={self.kubeconfig}", *args],
+            input=input,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        if check and proc.returncode != 0:
+            raise AssertionError(
+                f"kubectl {' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}"
+            )
+        return proc
+
+
+def _app_version() -> str:
+    out = subprocess.run(
+        ["bash", str(REPO_ROOT / "hack" / "app-version.sh")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return out.stdout.strip()
+
+
+@pytest.fixture(scope="session")
+def kube() -> Iterator[Kube]:
+    logging.getLogger("metaroce").setLevel(logging.INFO)
+    test_image = os.environ.get(
+        "METAROCE_E2E_TEST_IMAGE", f"localhost/metaroce-rdma-test:{_app_version()}"
+    )
+    external = os.environ.get("METAROCE_E2E_KUBECONFIG")
+    if external:
+        names = [n for n in os.environ.get("METAROCE_E2E_NODES", "").split(",") if n]
+        if len(names) < 2:
+            raise pytest.UsageError(
+                f"METAROCE_E2E_NODES={os.environ.get('METAROCE_E2E_NODES', '')!r}: name two "
+                "or more nodes of the METAROCE_E2E_KUBECONFIG cluster, comma-separated"
+            )
+        kubectl = shutil.which("kubectl") or ensure_binaries()["kubectl"]
+        yield Kube(Path(external), names, test_image, kubectl)
+        return
+    with (
+        LocalCluster(extra_apiserver_args=APISERVER_ARGS) as cluster,
+        RealNodes(cluster, count=2) as nodes,
+    ):
+        assert cluster.kubeconfig is not None
+        yield Kube(
+            cluster.kubeconfig,
+            nodes.names,
+            test_image,
+            ensure_binaries()["kubectl"],
+            real_nodes=nodes,
+            timings=dict(nodes.timings),
+        )
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run if node addresses or cluster directories of this process survived."""
+    left = [f"host address {a} on lo" for a in leftover_addresses()]
+    left += [str(p) for p in Path(tempfile.gettempdir()).glob(f"metaroce-cluster-{os.getpid()}-*")]
+    if left:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        message = "e2e nodes: left behind after the session:\n  " + "\n  ".join(left)
+        if reporter is not None:
+            reporter.write_line(message, red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
