@@ -120,6 +120,7 @@ GUEST_PYTHON_DIR = "/opt/guest-python"
 # The folders of pyproject.toml's packages; under the share they go on PYTHONPATH.
 PACKAGE_DIRS = ("api", "operator", "node-agent", "hack", "cli")
 L2_PREFIX = "192.168.77."
+
 RUN_DIR_PREFIX = "metaroce-guests-"
 RUN_DIR_PARENT = Path("/tmp")  # unix socket paths must stay short
 CMD_PORT_NAME = "org.metaroce.cmd"
@@ -136,6 +137,11 @@ DEFAULT_KERNEL_ARGS = (
     "tsc=reliable no_timer_check random.trust_cpu=on 8250.nr_uarts=1 cryptomgr.notests "
     "acpi=noirq"
 )
+
+
+def guest_ip(index: int) -> str:
+    """eth0 address of the guest with 0-based `index` (``node-N`` has ``192.168.77.(10+N)``)."""
+    return f"{L2_PREFIX}{11 + index}"
 
 
 class GuestError(RuntimeError):
@@ -915,7 +921,7 @@ class GuestCluster:
                 Guest(
                     index=i,
                     name=f"node-{n}",
-                    ip=f"{L2_PREFIX}{10 + n}",
+                    ip=guest_ip(i),
                     mac=f"52:54:00:77:{n >> 8:02x}:{n & 0xFF:02x}",
                     console_log=self.log_dir / f"node-{n}.console.log",
                     qemu_log=self.log_dir / f"node-{n}.qemu.log",

@@ -60,7 +60,7 @@ from metaroce_harness.cluster import (
     LocalCluster,
     ensure_binaries,
 )
-from metaroce_harness.guests import Guest, GuestCluster
+from metaroce_harness.guests import Guest, GuestCluster, guest_ip
 from metaroce_harness.images import ImageSet, find_images
 
 log = logging.getLogger("metaroce.harness.nodes")
@@ -201,7 +201,7 @@ def kubelet_config() -> str:
 def setup_script(index: int, count: int, api_port: int, pause_ref: str) -> str:
     """The guest-side preparation of node ``index``: kernel, mounts, network, config."""
     peers = "\n".join(
-        f"ip route replace {pod_cidr(j)} via 192.168.77.{11 + j} dev eth0"
+        f"ip route replace {pod_cidr(j)} via {guest_ip(j)} dev eth0"
         for j in range(count)
         if j != index
     )
@@ -275,10 +275,6 @@ class RealNodes:
     def names(self) -> list[str]:
         return [f"node-{i + 1}" for i in range(self.count)]
 
-    @staticmethod
-    def node_ip(index: int) -> str:
-        return f"192.168.77.{11 + index}"
-
     def start(self) -> RealNodes:
         try:
             self._start()
@@ -299,7 +295,7 @@ class RealNodes:
             memory_mb=self.memory_mb,
             shares={GUEST_IMAGES_DIR: self.images.root, GUEST_K8S_BIN: kubelet.parent},
             host_forwards=lambda i: [
-                f"tcp:{self.node_ip(i)}:{KUBELET_PORT}-:{KUBELET_PORT}",
+                f"tcp:{guest_ip(i)}:{KUBELET_PORT}-:{KUBELET_PORT}",
             ],
         ).start()
         self.timings["boot"] = time.monotonic() - t0
@@ -321,7 +317,7 @@ class RealNodes:
                 "ip",
                 "addr",
                 "add",
-                f"{self.node_ip(i)}/32",
+                f"{guest_ip(i)}/32",
                 "dev",
                 "lo",
                 "label",
@@ -333,12 +329,12 @@ class RealNodes:
                     f"{' '.join(a)} failed: {proc.stderr.strip()} (another RealNodes running? "
                     "`ip -o addr show dev lo` lists the node addresses in use)"
                 )
-            self._host_addrs.append(self.node_ip(i))
+            self._host_addrs.append(guest_ip(i))
             # Connections to the address must leave from 127.0.0.1: qemu shows that to
             # the guest as 10.0.2.2, while the node's own address as source would be
             # answered over eth0 and lost.
             r = [
-                "ip", "route", "replace", "local", self.node_ip(i), "dev", "lo", "table",
+                "ip", "route", "replace", "local", guest_ip(i), "dev", "lo", "table",
                 "local", "proto", "kernel", "scope", "host", "src", "127.0.0.1",
             ]  # fmt: skip
             proc = subprocess.run(r, capture_output=True, text=True, check=False)
@@ -402,7 +398,7 @@ class RealNodes:
         self.kubelets[g.name] = g.start(
             f"exec {GUEST_K8S_BIN}/kubelet --config={GUEST_NODE_DIR}/kubelet.yaml "
             f"--kubeconfig={GUEST_NODE_DIR}/kubelet.kubeconfig "
-            f"--hostname-override={g.name} --node-ip={self.node_ip(g.index)} "
+            f"--hostname-override={g.name} --node-ip={guest_ip(g.index)} "
             "--v=2 >>/var/log/metaroce/kubelet.log 2>&1"
         )
 
