@@ -208,8 +208,23 @@ def crd(
     short_names: Sequence[str],
     schema: Schema,
     columns: Sequence[Schema],
+    status_subresource: bool = True,
 ) -> Schema:
-    """A cluster-scoped, single-version CRD with a status subresource."""
+    """A cluster-scoped, single-version CRD; with a status subresource unless told not.
+
+    Without one (`MetaRoceNodeState`: a report written only by its agent, like NFD's
+    NodeFeature) `.status` is part of the main resource, so the first report is a single
+    create carrying spec and status instead of a create plus a status write.
+    """
+    version: Schema = {
+        "name": c.VERSION,
+        "served": True,
+        "storage": True,
+        "schema": {"openAPIV3Schema": schema},
+    }
+    if status_subresource:
+        version["subresources"] = {"status": {}}
+    version["additionalPrinterColumns"] = list(columns)
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
@@ -228,16 +243,7 @@ def crd(
                 "categories": [c.CATEGORY],
             },
             "scope": "Cluster",
-            "versions": [
-                {
-                    "name": c.VERSION,
-                    "served": True,
-                    "storage": True,
-                    "schema": {"openAPIV3Schema": schema},
-                    "subresources": {"status": {}},
-                    "additionalPrinterColumns": list(columns),
-                }
-            ],
+            "versions": [version],
         },
     }
 
@@ -272,6 +278,8 @@ def nodestate_crd() -> Schema:
         singular=c.NODESTATE_SINGULAR,
         short_names=c.NODESTATE_SHORT_NAMES,
         schema=_root_schema(MetaRoceNodeState, ObjectMeta, NodeStateSpec, MetaRoceNodeStateStatus),
+        # Written only by its agent: spec and status in one request (see crd()).
+        status_subresource=False,
         columns=[
             _column("Network", ".spec.network"),
             _column("Node", ".spec.node"),

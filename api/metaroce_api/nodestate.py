@@ -3,6 +3,8 @@
 One object per (network, node), cluster-scoped, named `<network>.<node>` and labelled with
 both, written only by that node's agent. The operator reads them to build the network's
 status and to decide taints; people read them to see why a node is not configured.
+A report object (like NFD's NodeFeature), its CRD has no status subresource: the agent's
+first report is one create carrying spec and status, later ones merge-patch `status`.
 """
 
 import hashlib

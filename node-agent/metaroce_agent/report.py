@@ -2,13 +2,17 @@
 
 `build_status` turns what the agent knows (config, inventory, plan, the last apply and
 drift results, probe summary, errors, revert) into the API's status model. The writer
-creates the NodeState once (spec: network and node; labels from `nodestate_labels`; a
-server-side apply takes an existing one over) and writes the status as a JSON merge
-patch of what changed, under the agent's field manager, skipping the write when nothing
-but timestamps changed, so an idle node makes no API traffic. With 1,000 agents starting
-together these writes share the control plane with the DaemonSet rollout itself: a
-create plus a merge patch costs the apiserver somewhat less than two applies (no
-structured merge of the request), and the status update is the larger of the two.
+sends it under the agent's field manager, skipping the write when nothing but timestamps
+changed, so an idle node makes no API traffic. The NodeState CRD has no status
+subresource (a report object written only by its agent, like NFD's NodeFeature), so the
+first report is ONE create carrying spec (network and node), labels (`nodestate_labels`)
+and status; later reports are a JSON merge patch of the object with `status` only (what
+changed). An existing NodeState (agent restart, changed annotations, a failed write) is
+taken over by one server-side apply that carries the status too, followed by a merge
+patch only when the server still holds fields the new status does not have. With 1,000
+agents starting together these writes share the control plane with the DaemonSet
+rollout itself: one create per node instead of a create plus a status write, and a merge
+patch (no structured merge of the request) for the rest.
 """
 
 from __future__ import annotations
@@ -286,7 +290,7 @@ def merge_patch(old: Any, new: Any) -> Any:
 
 
 class NodeStateWriter:
-    """Creates the agent's NodeState and patches its status when it changed."""
+    """Creates the agent's NodeState with its status, then merge-patches what changed."""
 
     def __init__(self, kube: KubeClient, network: str, node: str) -> None:
         self.kube = kube
@@ -303,12 +307,12 @@ class NodeStateWriter:
         self._server_status: dict[str, Any] = {}
         """The status on the server as far as we know: what the merge patch is made against."""
         self.writes = 0
-        """Status writes made."""
+        """Status writes made (reports that reached the server, however many requests)."""
         self.requests = 0
-        """Write requests made (creates, take-overs and status patches)."""
+        """Write requests made (creates, take-overs and merge patches)."""
         self.annotations: dict[str, str] = {}
 
-    def _object(self) -> dict[str, Any]:
+    def _object(self, status: dict[str, Any]) -> dict[str, Any]:
         meta: dict[str, Any] = {
             "name": self.name,
             "labels": nodestate_labels(self.network, self.node),
@@ -320,27 +324,33 @@ class NodeStateWriter:
             "kind": constants.NODESTATE_KIND,
             "metadata": meta,
             "spec": {"network": self.network, "node": self.node},
+            "status": status,
         }
 
-    def ensure(self) -> None:
-        """Create the NodeState; when it exists (agent restart, changed annotations, or
-        re-created after a failed write), take it over by server-side apply instead."""
-        body: dict[str, Any] | None = None
+    def _ensure(self, status: dict[str, Any]) -> bool:
+        """Create the NodeState with `status` (one request); when it exists (agent restart,
+        changed annotations, or re-created after a failed write), take it over by
+        server-side apply, with the status as well. True when the server now holds
+        exactly `status`; False when a merge patch must still remove what the previous
+        writer left (an apply keeps fields that other writes own)."""
         if not self._exists:
             self.requests += 1
             try:
-                body = self.kube.create(
-                    self.collection, self._object(), constants.AGENT_FIELD_MANAGER
+                self.kube.create(
+                    self.collection, self._object(status), constants.AGENT_FIELD_MANAGER
                 )
             except KubeError as e:
                 if e.status != 409:
                     raise
-        if body is None:
-            self.requests += 1
-            body = self.kube.apply(self.path, self._object(), constants.AGENT_FIELD_MANAGER)
+            else:
+                self._server_status = status
+                self._exists = self._ensured = True
+                return True
+        self.requests += 1
+        body = self.kube.apply(self.path, self._object(status), constants.AGENT_FIELD_MANAGER)
         self._server_status = dict(body.get("status") or {})
-        self._exists = True
-        self._ensured = True
+        self._exists = self._ensured = True
+        return not merge_patch(self._server_status, status)
 
     def set_annotation(self, key: str, value: str) -> None:
         if self.annotations.get(key) != value:
@@ -348,28 +358,30 @@ class NodeStateWriter:
             self._ensured = False
 
     def write(self, status: MetaRoceNodeStateStatus, *, force: bool = False) -> bool:
-        """Patch the status if it differs from the last one written; True when written."""
+        """Write the status if it differs from the last one written; True when written."""
         key = change_key(status)
         if not force and key == self._last_key and self._ensured:
             return False
-        if not self._ensured:
-            self.ensure()
         new = status.to_api()
+        if not self._ensured and self._ensure(new):
+            self._written(new, key, status)
+            return True
         patch = merge_patch(self._server_status, new)
         if not patch and not force:
-            self._last_key = key  # the server has it already (a take-over found it)
+            self._last_key = key  # the server has it already
             return False
         self.requests += 1
         try:
-            self.kube.merge_patch(
-                f"{self.path}/status", {"status": patch}, constants.AGENT_FIELD_MANAGER
-            )
+            self.kube.merge_patch(self.path, {"status": patch}, constants.AGENT_FIELD_MANAGER)
         except KubeError as e:
             if e.status == 404:  # deleted under us: the next write re-creates it
                 self._exists = self._ensured = False
             raise
+        self._written(new, key, status)
+        return True
+
+    def _written(self, new: dict[str, Any], key: str, status: MetaRoceNodeStateStatus) -> None:
         self._server_status = new
         self._last_key = key
         self.writes += 1
         log.info("NodeState %s: phase %s written", self.name, status.phase)
-        return True

@@ -307,9 +307,10 @@ def test_status_subresource_and_printer_columns(kube: Any) -> None:
     assert table[1].split()[:4] == [name, "True", "3/4", "rocev2"]
 
 
-def test_nodestate_round_trips_its_status(kube: Any) -> None:
+def test_nodestate_is_written_whole_in_one_request(kube: Any) -> None:
+    """No status subresource on NodeStates: the agent's first report (spec and status) is
+    one create, a later one a merge patch of the object itself; spec stays immutable."""
     obj = minimal_nodestate(network=unique("ns"), node="kwok-a1")
-    assert_accepted(create(kube, obj), "nodestate")
     name = obj["metadata"]["name"]
     status = MetaRoceNodeStateStatus.model_validate(
         {
@@ -327,19 +328,34 @@ def test_nodestate_round_trips_its_status(kube: Any) -> None:
             "errors": [{"step": "apply pfc on eth1", "message": "unsupported"}],
         }
     )
-    kube.kubectl(
-        "patch",
-        constants.NODESTATE_PLURAL,
-        name,
-        "--subresource=status",
-        "--type=merge",
-        "-p",
-        json.dumps({"status": status.to_api()}),
-    )
+    assert_accepted(create(kube, {**obj, "status": status.to_api()}), "nodestate")
     stored = validate_nodestate(get(kube, constants.NODESTATE_PLURAL, name))
     assert stored.status == status
     row = kube.kubectl("get", "mrns", name, "--no-headers").stdout.split()
     assert row[:6] == [name, obj["spec"]["network"], "kwok-a1", "Degraded", "softroce", "2"]
+
+    # A later report: a JSON merge patch of the object, status only (null removes).
+    patch = {"status": {"phase": "Ready", "errors": None}}
+    kube.kubectl("patch", constants.NODESTATE_PLURAL, name, "--type=merge", "-p", json.dumps(patch))
+    stored = validate_nodestate(get(kube, constants.NODESTATE_PLURAL, name))
+    assert stored.status == status.model_copy(update={"phase": "Ready", "errors": None})
+    # The status is validated by the same schema, and the spec stays immutable.
+    bad = kube.kubectl(
+        "patch", constants.NODESTATE_PLURAL, name, "--type=merge",
+        "-p", json.dumps({"status": {"phase": "Sleeping"}}), check=False,
+    )  # fmt: skip
+    assert_rejected(bad, "status.phase", "an unknown phase")
+    moved = kube.kubectl(
+        "patch", constants.NODESTATE_PLURAL, name, "--type=merge",
+        "-p", json.dumps({"spec": {"node": "kwok-a2"}}), check=False,
+    )  # fmt: skip
+    assert_rejected(moved, "spec", "a changed spec")
+    # There is no status subresource to write to.
+    sub = kube.kubectl(
+        "patch", constants.NODESTATE_PLURAL, name, "--subresource=status", "--type=merge",
+        "-p", json.dumps(patch), check=False,
+    )  # fmt: skip
+    assert sub.returncode != 0
 
 
 def test_crds_in_the_chart_are_the_same_files() -> None:

@@ -141,11 +141,12 @@ def test_doctor_main_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[st
 
 
 class FakeKube:
-    """Just enough of KubeClient for the loop: the network object and NodeState applies."""
+    """Just enough of KubeClient for the loop: the network object and NodeState writes."""
 
     def __init__(self, network: dict) -> None:  # type: ignore[type-arg]
         self.network = network
         self.applied: list[tuple[str, dict]] = []  # type: ignore[type-arg]
+        self.verbs: list[str] = []
 
     def get(self, path: str) -> dict | None:  # type: ignore[type-arg]
         return self.network
@@ -153,12 +154,19 @@ class FakeKube:
     def watch(self, path: str, params: dict, timeout: float = 0):  # type: ignore[no-untyped-def,type-arg]
         return iter(())
 
-    def apply(self, path: str, body: dict, field_manager: str) -> dict:  # type: ignore[type-arg]
+    def _record(self, verb: str, path: str, body: dict) -> dict:  # type: ignore[type-arg]
         self.applied.append((path, body))
+        self.verbs.append(verb)
         return body
 
-    create = apply  # the NodeState's first write
-    merge_patch = apply  # its status writes
+    def create(self, path: str, body: dict, field_manager: str) -> dict:  # type: ignore[type-arg]
+        return self._record("create", path, body)  # the NodeState's first report, whole
+
+    def apply(self, path: str, body: dict, field_manager: str) -> dict:  # type: ignore[type-arg]
+        return self._record("apply", path, body)  # a take-over
+
+    def merge_patch(self, path: str, patch: dict, field_manager: str) -> dict:  # type: ignore[type-arg]
+        return self._record("merge", path, patch)  # later reports: what changed
 
 
 def test_deleted_network_with_cleanup_is_reverted_and_reported(tmp_path: Path) -> None:
@@ -189,6 +197,11 @@ def test_deleted_network_with_cleanup_is_reverted_and_reported(tmp_path: Path) -
         agent.stop()
         t.join(10)
     assert not host.exists("/sys/class/infiniband/rxe_eth0")
-    statuses = [b["status"] for p, b in kube.applied if p.endswith("/status")]
+    # One create with the whole first report, then merge patches of the object itself
+    # (the NodeState has no status subresource).
+    assert kube.verbs[0] == "create" and set(kube.verbs[1:]) <= {"merge", "apply"}
+    assert kube.applied[0][1]["status"]["phase"]
+    assert not any(p.endswith("/status") for p, _ in kube.applied)
+    statuses = [b["status"] for _, b in kube.applied]
     assert statuses[-1]["phase"] == "Reverted" and statuses[-1]["reverted"] is True
-    assert any(s["phase"] == "Reverting" for s in statuses)
+    assert any(s.get("phase") == "Reverting" for s in statuses)

@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 
 from metaroce_agent.kube import KubeClient, KubeError
+from metaroce_agent.report import NodeStateWriter
+from metaroce_api import MetaRoceNodeStateStatus
 
 
 class FakeResponse:
@@ -55,14 +57,14 @@ def test_requests_reuse_one_connection() -> None:
     conn = FakeConnection([FakeResponse(201, {"a": 1}), FakeResponse(200, {"b": 2})])
     kube = client([conn])
     assert kube.create("/apis/x", {"k": "v"}, "metaroce-agent") == {"a": 1}
-    assert kube.merge_patch("/apis/x/n/status", {"status": {}}, "metaroce-agent") == {"b": 2}
+    assert kube.merge_patch("/apis/x/n", {"status": {}}, "metaroce-agent") == {"b": 2}
     (m1, p1, b1, _), (m2, p2, _, h2) = conn.sent
     assert (m1, p1, json.loads(b1 or b"")) == (
         "POST",
         "/apis/x?fieldManager=metaroce-agent",
         {"k": "v"},
     )
-    assert (m2, p2) == ("PATCH", "/apis/x/n/status?fieldManager=metaroce-agent")
+    assert (m2, p2) == ("PATCH", "/apis/x/n?fieldManager=metaroce-agent")
     assert h2["Content-Type"] == "application/merge-patch+json"
     assert h2["Authorization"] == "Bearer t"
     assert not conn.closed
@@ -91,3 +93,26 @@ def test_api_errors_keep_their_status() -> None:
     with pytest.raises(KubeError) as err:
         kube.create("/apis/x", {}, "metaroce-agent")
     assert err.value.status == 409 and "exists" in str(err.value)
+
+
+def test_the_first_report_is_one_post_and_updates_patch_the_object() -> None:
+    # Through the real client: a NodeState has no status subresource, so the first report
+    # is a single POST with spec and status, a later one a merge patch of the object.
+    first = MetaRoceNodeStateStatus.model_validate({"phase": "Pending", "configGeneration": 1})
+    created = {"metadata": {"name": "rdma-a.node-1"}, "status": first.to_api()}
+    conn = FakeConnection([FakeResponse(201, created), FakeResponse(200, {})])
+    writer = NodeStateWriter(client([conn]), "rdma-a", "node-1")
+    assert writer.write(first) is True
+    ((method, path, body, _),) = conn.sent
+    collection = "/apis/metaroce.io/v1alpha1/metarocenodestates"
+    assert (method, path) == ("POST", f"{collection}?fieldManager=metaroce-agent")
+    sent = json.loads(body or b"")
+    assert sent["spec"] == {"network": "rdma-a", "node": "node-1"}
+    assert sent["status"] == first.to_api()
+    assert writer.requests == 1
+    assert writer.write(first.model_copy(update={"phase": "Ready"})) is True
+    method, path, body, headers = conn.sent[1]
+    assert (method, path) == ("PATCH", f"{collection}/rdma-a.node-1?fieldManager=metaroce-agent")
+    assert headers["Content-Type"] == "application/merge-patch+json"
+    assert json.loads(body or b"") == {"status": {"phase": "Ready"}}
+    assert (writer.requests, writer.writes) == (2, 2)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
+import pytest
 from conftest import make_config
 from fakes import port_down_node, softroce_node
 
@@ -17,7 +19,7 @@ from metaroce_agent.report import (
     change_key,
     merge_patch,
 )
-from metaroce_api import MetaRoceNodeState, ProbePeer, ProbeSummary
+from metaroce_api import MetaRoceNodeState, MetaRoceNodeStateStatus, ProbePeer, ProbeSummary
 
 
 def applied_softroce(n):  # type: ignore[no-untyped-def]
@@ -113,80 +115,148 @@ def test_change_key_ignores_clocks_and_latency_jitter(node) -> None:  # type: ig
     assert change_key(a) != change_key(status(50.0, healthy=False))
 
 
+def _patched(target: Any, patch: Any) -> Any:
+    """RFC 7386 applied: what the apiserver stores after a JSON merge patch."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = _patched(out.get(key), value)
+    return out
+
+
 class FakeKube:
-    """Records the writer's requests; `existing` makes the create answer 409 (take-over)."""
+    """A NodeState on a miniature apiserver without a status subresource: create (409
+    when it exists), server-side apply (status fields it is not given stay, as fields
+    another write owns do), merge patches of the object (404 once it is deleted)."""
 
     def __init__(self, existing: dict[str, Any] | None = None) -> None:
         self.calls: list[tuple[str, str, dict[str, Any]]] = []
-        self.existing = existing
+        self.obj = copy.deepcopy(existing)
 
     def create(self, path: str, body: dict[str, Any], field_manager: str) -> dict[str, Any]:
         assert field_manager == "metaroce-agent"
-        self.calls.append(("create", path, body))
-        if self.existing is not None:
+        self.calls.append(("create", path, copy.deepcopy(body)))
+        if self.obj is not None:
             raise KubeError(409, "already exists")
-        return body
+        self.obj = copy.deepcopy(body)
+        return copy.deepcopy(self.obj)
 
     def apply(self, path: str, body: dict[str, Any], field_manager: str) -> dict[str, Any]:
         assert field_manager == "metaroce-agent"
-        self.calls.append(("apply", path, body))
-        return {**body, "status": (self.existing or {}).get("status")}
+        self.calls.append(("apply", path, copy.deepcopy(body)))
+        kept = (self.obj or {}).get("status") or {}
+        self.obj = {**copy.deepcopy(body), "status": {**kept, **copy.deepcopy(body["status"])}}
+        return copy.deepcopy(self.obj)
 
     def merge_patch(self, path: str, patch: dict[str, Any], field_manager: str) -> dict[str, Any]:
         assert field_manager == "metaroce-agent"
-        self.calls.append(("merge", path, patch))
-        return patch
+        self.calls.append(("merge", path, copy.deepcopy(patch)))
+        if self.obj is None:
+            raise KubeError(404, "not found")
+        self.obj = _patched(self.obj, patch)
+        return copy.deepcopy(self.obj)
 
 
 PATH = "/apis/metaroce.io/v1alpha1/metarocenodestates"
+OBJ = f"{PATH}/rdma-a.node-1"
 
 
-def test_writer_creates_once_and_patches_only_changes(node) -> None:  # type: ignore[no-untyped-def]
+def _ready(node) -> MetaRoceNodeStateStatus:  # type: ignore[no-untyped-def]
     n = node(softroce_node)
     cfg, plan, result = applied_softroce(n)
-    kube = FakeKube()
-    w = NodeStateWriter(kube, "rdma-a", "node-1")  # type: ignore[arg-type]
-    s = build_status(
+    return build_status(
         config=cfg, inventory=n.inventory(), plan=plan, result=result, errors=ErrorLog(),
         drift_corrections=0,
     )  # fmt: skip
+
+
+def test_writer_creates_once_with_the_status_and_patches_only_changes(node) -> None:  # type: ignore[no-untyped-def]
+    s = _ready(node)
+    kube = FakeKube()
+    w = NodeStateWriter(kube, "rdma-a", "node-1")  # type: ignore[arg-type]
     assert w.write(s) is True
-    assert [(verb, p) for verb, p, _ in kube.calls] == [
-        ("create", PATH),
-        ("merge", f"{PATH}/rdma-a.node-1/status"),
-    ]
+    # The first report is ONE request: spec, labels and status together (no status
+    # subresource, so nothing is dropped and no second write is needed).
+    assert [(verb, p) for verb, p, _ in kube.calls] == [("create", PATH)]
     obj = kube.calls[0][2]
     assert obj["metadata"]["name"] == "rdma-a.node-1"
     assert obj["spec"] == {"network": "rdma-a", "node": "node-1"}
     assert obj["metadata"]["labels"]["metaroce.io/network"] == "rdma-a"
-    assert kube.calls[1][2] == {"status": s.to_api()}
-    assert w.write(s) is False and len(kube.calls) == 2
+    assert obj["status"] == s.to_api()
+    assert (w.requests, w.writes) == (1, 1)
+    assert w.write(s) is False and len(kube.calls) == 1
     s2 = s.model_copy(update={"drift_corrections": 1})
-    assert w.write(s2) is True and len(kube.calls) == 3
-    # Only what changed goes out.
-    assert kube.calls[2][2] == {"status": {"driftCorrections": 1}}
-    # A changed annotation is applied to the existing object, not created again.
+    assert w.write(s2) is True and len(kube.calls) == 2
+    # Only what changed goes out: a merge patch of the object itself, status only.
+    assert kube.calls[1][:2] == ("merge", OBJ)
+    assert kube.calls[1][2] == {"status": {"driftCorrections": 1}}
+    assert kube.obj is not None and kube.obj["status"] == s2.to_api()
+    # A changed annotation: one apply of the existing object, carrying the status too.
     w.set_annotation("metaroce.io/probe-endpoint", "10.0.0.1:47911")
     s3 = s2.model_copy(update={"drift_corrections": 2})
     assert w.write(s3) is True
-    assert [verb for verb, _, _ in kube.calls[3:]] == ["apply", "merge"]
-    assert w.writes == 3
+    assert [(verb, p) for verb, p, _ in kube.calls[2:]] == [("apply", OBJ)]
+    applied = kube.calls[2][2]
+    assert applied["status"] == s3.to_api()
+    assert applied["metadata"]["annotations"] == {"metaroce.io/probe-endpoint": "10.0.0.1:47911"}
+    assert kube.obj["status"] == s3.to_api()
+    assert (w.requests, w.writes) == (3, 3)
 
 
 def test_writer_takes_over_an_existing_nodestate(node) -> None:  # type: ignore[no-untyped-def]
-    n = node(softroce_node)
-    cfg, plan, result = applied_softroce(n)
-    s = build_status(
-        config=cfg, inventory=n.inventory(), plan=plan, result=result, errors=ErrorLog(),
-        drift_corrections=0,
-    )  # fmt: skip
+    s = _ready(node)
     old = {**s.to_api(), "errors": [{"step": "x", "message": "y", "time": "2026-01-01T00:00:00Z"}]}
-    kube = FakeKube(existing={"status": old})
+    kube = FakeKube(existing={"spec": {"network": "rdma-a", "node": "node-1"}, "status": old})
     w = NodeStateWriter(kube, "rdma-a", "node-1")  # type: ignore[arg-type]
     assert w.write(s) is True
-    assert [verb for verb, _, _ in kube.calls] == ["create", "apply", "merge"]
-    # The previous agent's stale error is removed (merge patch null), the rest stays.
+    assert [(verb, p) for verb, p, _ in kube.calls] == [
+        ("create", PATH),
+        ("apply", OBJ),
+        ("merge", OBJ),
+    ]
+    assert kube.calls[1][2]["status"] == s.to_api()
+    # The previous agent's stale error, which the apply keeps, is removed (merge patch null).
     assert kube.calls[2][2] == {"status": {"errors": None}}
+    assert kube.obj is not None and kube.obj["status"] == s.to_api()
+    assert (w.requests, w.writes) == (3, 1)
+
+
+def test_a_take_over_with_nothing_stale_is_one_apply(node) -> None:  # type: ignore[no-untyped-def]
+    s = _ready(node)
+    old = {**s.to_api(), "phase": "Pending", "driftCorrections": 4}
+    kube = FakeKube(existing={"spec": {"network": "rdma-a", "node": "node-1"}, "status": old})
+    w = NodeStateWriter(kube, "rdma-a", "node-1")  # type: ignore[arg-type]
+    assert w.write(s) is True
+    assert [verb for verb, _, _ in kube.calls] == ["create", "apply"]
+    assert kube.obj is not None and kube.obj["status"] == s.to_api()
+    # After a failed write the agent takes the object over again: one apply, no create.
+    w._ensured = False
+    s2 = s.model_copy(update={"drift_corrections": 1})
+    assert w.write(s2) is True
+    assert [verb for verb, _, _ in kube.calls[2:]] == ["apply"]
+    assert kube.obj["status"] == s2.to_api()
+
+
+def test_a_deleted_nodestate_is_created_again_whole(node) -> None:  # type: ignore[no-untyped-def]
+    s = _ready(node)
+    kube = FakeKube()
+    w = NodeStateWriter(kube, "rdma-a", "node-1")  # type: ignore[arg-type]
+    assert w.write(s) is True
+    kube.obj = None  # deleted under the agent (e.g. by the operator's clean-up)
+    s2 = s.model_copy(update={"drift_corrections": 1})
+    with pytest.raises(KubeError) as err:
+        w.write(s2)
+    assert err.value.status == 404
+    assert kube.calls[-1][:2] == ("merge", OBJ)
+    assert w.write(s2) is True
+    assert kube.calls[-1][:2] == ("create", PATH)
+    assert kube.calls[-1][2]["status"] == s2.to_api()
+    assert kube.obj is not None and kube.obj["status"] == s2.to_api()
+    assert (w.requests, w.writes) == (3, 2)
 
 
 def test_merge_patch_is_rfc7386() -> None:

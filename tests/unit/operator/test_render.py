@@ -223,6 +223,8 @@ def test_agent_rbac_is_least_privilege(settings: RenderSettings) -> None:
         "update",
         "patch",
     }
+    # The NodeState CRD has no status subresource: the agent writes the object itself.
+    assert not any(res.endswith("/status") for r in rules for res in r["resources"])
     networks = flat[(("metaroce.io",), ("metarocenetworks",))]
     assert networks["verbs"] == ["get", "list", "watch"]
     assert networks["resourceNames"] == ["fabric"]
