@@ -4,7 +4,8 @@ The local cluster has no kubelet for the operator's pods (kwok only pretends to 
 them), so the operator runs as a host process, but as the chart's Deployment would: with
 the rendered arguments, the chart's ServiceAccount credentials (`kubectl create token`),
 and its webhooks reached through the chart's Service (an EndpointSlice pointing at the
-pod network, where the process listens). Used by the demo and the chart's tests.
+pod network, where the process listens). Used by the demo, the chart's tests and the
+real-node e2e tests.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from metaroce_harness.cluster import REPO_ROOT, HarnessError, LocalCluster
+from metaroce_harness.cluster import REPO_ROOT, Component, HarnessError, LocalCluster
 
 CHART_DIR = REPO_ROOT / "charts" / "metaroce"
 CRD_DIR = REPO_ROOT / "crds"
@@ -136,3 +137,74 @@ def replace_arg(args: Sequence[str], flag: str, value: str) -> list[str]:
     """`args` with `flag=...` set to `value` (added when absent)."""
     out = [a for a in args if not a.startswith(flag + "=")]
     return [*out, f"{flag}={value}"]
+
+
+def install(cluster: LocalCluster, release: str, namespace: str) -> None:
+    """`helm install` of the chart for an operator that runs on the host (CRDs included);
+    returns once the CRDs are Established."""
+    cluster.helm(
+        "install", release, str(CHART_DIR), "-n", "default",
+        *set_flags({"namespace": {"name": namespace}, **HOST_OPERATOR_VALUES}),
+    )  # fmt: skip
+    cluster.kubectl(
+        "wait", "--for=condition=Established", "--timeout=60s",
+        "crd/metarocenetworks.metaroce.io", "crd/metarocenodestates.metaroce.io",
+    )  # fmt: skip
+
+
+def start_host_operator(
+    cluster: LocalCluster, release: str, namespace: str, workdir: Path, *, timeout: float = 120.0
+) -> Component:
+    """Run the installed release's operator as its pod would, in the pod network, and
+    return once it leads and has published its webhook CA (the webhooks are served).
+
+    Exactly the chart's arguments, the chart ServiceAccount's token, and the chart's
+    webhook Service routed to the process (EndpointSlice to the pod network)."""
+    import json
+    import sys
+    import time
+
+    net = cluster.pod_network
+    if net is None:
+        raise HarnessError("the cluster is not started")
+    args = operator_args(render(cluster, release, {"namespace": {"name": namespace}}))
+    kubeconfig = token_kubeconfig(
+        cluster, namespace, release, workdir / "operator.kubeconfig",
+        server=f"https://{net.host_ip}:{cluster.api_port}",
+    )  # fmt: skip
+    port = int(next(a for a in args if a.startswith("--webhook-port=")).split("=")[1])
+    route_service_to_pod_network(cluster, namespace, f"{release}-webhook", "https", port)
+    env = [
+        f"KUBECONFIG={kubeconfig}",
+        f"POD_NAME={release}-host-0",
+        f"POD_NAMESPACE={namespace}",
+        "PYTHONUNBUFFERED=1",
+    ]
+    operator = net.popen(
+        ["env", *env, sys.executable, "-m", "metaroce_operator", *args], "operator"
+    )
+
+    def get(*what: str) -> Any:
+        proc = cluster.kubectl("get", *what, "-o", "json", check=False)
+        return json.loads(proc.stdout) if proc.returncode == 0 else None
+
+    deadline = time.monotonic() + timeout
+    while True:
+        operator.check_alive()
+        lease = get("lease", "metaroce-operator", "-n", namespace)
+        hooks = [
+            get("validatingwebhookconfiguration", f"{release}-networks"),
+            get("mutatingwebhookconfiguration", f"{release}-pods"),
+        ]
+        if (
+            lease
+            and lease["spec"].get("holderIdentity")
+            and all(h and h["webhooks"][0]["clientConfig"].get("caBundle") for h in hooks)
+        ):
+            return operator
+        if time.monotonic() > deadline:
+            raise HarnessError(
+                f"the operator did not lead and publish its webhook CA within {timeout:.0f} s; "
+                f"read {operator.log_path}"
+            )
+        time.sleep(1)

@@ -98,55 +98,13 @@ class Demo:
 
     def install_chart(self) -> None:
         t = step(f"helm install {RELEASE} charts/metaroce (CRDs from crds/, namespace {NAMESPACE})")
-        self.cluster.helm(
-            "install", RELEASE, str(chart.CHART_DIR), "-n", "default",
-            *chart.set_flags({"namespace": {"name": NAMESPACE}, **chart.HOST_OPERATOR_VALUES}),
-        )  # fmt: skip
-        self.cluster.kubectl(
-            "wait", "--for=condition=Established", "--timeout=60s",
-            "crd/metarocenetworks.metaroce.io", "crd/metarocenodestates.metaroce.io",
-        )  # fmt: skip
+        chart.install(self.cluster, RELEASE, NAMESPACE)
         done(t)
 
     def start_operator(self) -> None:
         t = step("starting the operator with the chart's arguments and ServiceAccount token")
-        net = self.cluster.pod_network
-        assert net is not None
-        docs = chart.render(self.cluster, RELEASE, {"namespace": {"name": NAMESPACE}})
-        args = chart.operator_args(docs)
-        print("    metaroce operator " + " ".join(args), flush=True)
-        kubeconfig = chart.token_kubeconfig(
-            self.cluster, NAMESPACE, RELEASE, self.workdir / "operator.kubeconfig",
-            server=f"https://{net.host_ip}:{self.cluster.api_port}",
-        )  # fmt: skip
-        port = int(next(a for a in args if a.startswith("--webhook-port=")).split("=")[1])
-        chart.route_service_to_pod_network(
-            self.cluster, NAMESPACE, f"{RELEASE}-webhook", "https", port
-        )
-        env = [
-            f"KUBECONFIG={kubeconfig}",
-            f"POD_NAME={RELEASE}-demo-0",
-            f"POD_NAMESPACE={NAMESPACE}",
-            "PYTHONUNBUFFERED=1",
-        ]
-        self.operator = net.popen(
-            ["env", *env, sys.executable, "-m", "metaroce_operator", *args], "operator"
-        )
+        self.operator = chart.start_host_operator(self.cluster, RELEASE, NAMESPACE, self.workdir)
         print(f"    log: {self.operator.log_path}", flush=True)
-
-        def leading_with_ca() -> bool:
-            assert self.operator is not None
-            self.operator.check_alive()
-            lease = get_json(self.cluster, "lease", "metaroce-operator", "-n", NAMESPACE)
-            hooks = get_json(self.cluster, "validatingwebhookconfiguration", f"{RELEASE}-networks")
-            return bool(
-                lease
-                and lease["spec"].get("holderIdentity")
-                and hooks
-                and hooks["webhooks"][0]["clientConfig"].get("caBundle")
-            )
-
-        wait_until("the operator to lead and publish its webhook CA", leading_with_ca, 120)
         done(t, "leading, webhooks served")
 
     def apply_sample(self) -> None:

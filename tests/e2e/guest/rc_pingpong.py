@@ -1,14 +1,25 @@
-"""Guest side: an RC queue pair written with pyverbs moves data both ways.
+"""Guest or pod side: an RC queue pair written with pyverbs moves data both ways.
 
-    python3 rc_pingpong.py server --port P [--tc TC] [--size N] [--rounds R]
+    python3 rc_pingpong.py server --port P [--tc TC] [--size N] [--rounds R] [--bw-seconds S]
     python3 rc_pingpong.py client --server IP --port P [--tc TC] [--size N] [--rounds R]
+        [--bw-seconds S] [--depth D]
 
 The two sides swap QP numbers, PSNs, GIDs and their buffer's address and rkey over TCP
-(out of band, on eth0). Each round the client RDMA-WRITEs a pattern into the server's
-buffer and SENDs a message; the server checks both, then does the same the other way.
+(out of band). Each round the client RDMA-WRITEs a pattern into the server's buffer and
+SENDs a message; the server checks both, then does the same the other way. The first
+completion prints a `first-rdma` line (flushed) so a caller can time it. With
+``--bw-seconds`` the client then streams RDMA WRITEs of ``--size`` bytes, ``--depth`` in
+flight, for that long and reports the bandwidth (the server waits for its final SEND).
+
 ``--tc`` is the traffic class of this side's QP: it goes into the GRH of the address
 vector given at RTR, and rxe puts it in the IP ToS byte of every packet the QP sends
-(requests and ACKs). Prints a JSON summary; exits non-zero on any mismatch.
+(requests and ACKs); the QP's address vector is read back (`qp_traffic_class`).
+
+In a pod the defaults come from what the MetaRoCE webhook and device plugin injected, as
+NCCL would read them: the device from NCCL_IB_HCA, the GID index from NCCL_IB_GID_INDEX,
+the traffic class from NCCL_IB_TC, the ACK timeout and retries from NCCL_IB_TIMEOUT and
+NCCL_IB_RETRY_CNT. In a guest (no such variables) it finds the RoCE v2 GID of eth0.
+Prints a JSON summary; exits non-zero on any mismatch.
 """
 
 import argparse
@@ -44,6 +55,17 @@ def local_ipv4_gid(ctx, ip: str) -> tuple[int, str]:
         if entry.gid_type == e.IBV_GID_TYPE_ROCE_V2 and entry.gid_str() == want:
             return index, entry.gid_str()
     raise SystemExit(f"no RoCE v2 GID for {ip} (wanted {want})")
+
+
+def env_device(default: str) -> str:
+    """The first device NCCL_IB_HCA names (`=rxe_eth0:1,...` -> `rxe_eth0`)."""
+    hca = os.environ.get("NCCL_IB_HCA", "").lstrip("=^")
+    return hca.split(",")[0].split(":")[0] or default
+
+
+def env_int(name: str, default: int | None) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value else default
 
 
 def eth0_ip() -> str:
@@ -110,22 +132,31 @@ def main() -> None:
     p.add_argument("role", choices=["server", "client"])
     p.add_argument("--server")
     p.add_argument("--port", type=int, default=18515)
-    p.add_argument("--dev", default="rxe0")
-    p.add_argument("--tc", type=int, default=0)
+    p.add_argument("--dev", default=env_device("rxe0"))
+    p.add_argument("--tc", type=int, default=env_int("NCCL_IB_TC", 0))
+    p.add_argument("--gid-index", type=int, default=env_int("NCCL_IB_GID_INDEX", None))
+    p.add_argument("--timeout", type=int, default=env_int("NCCL_IB_TIMEOUT", 14))
+    p.add_argument("--retry", type=int, default=env_int("NCCL_IB_RETRY_CNT", 7))
     p.add_argument("--size", type=int, default=16384)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--bw-seconds", type=float, default=0.0)
+    p.add_argument("--depth", type=int, default=16)
     args = p.parse_args()
     size = args.size
 
     ctx = d.Context(name=args.dev)
     pd = PD(ctx)
-    cq = CQ(ctx, 64, None, None, 0)
+    cq = CQ(ctx, 256, None, None, 0)
     # [0, size): receive buffer for SENDs; [size, 2 size): target of the peer's WRITEs;
     # [2 size, 3 size): what this side sends.
     mr = MR(pd, 3 * size, ACCESS)
-    cap = QPCap(max_send_wr=16, max_recv_wr=16, max_send_sge=1, max_recv_sge=1)
+    depth = max(args.depth, 16)  # the send queue also holds the ping-pong WRs
+    cap = QPCap(max_send_wr=depth, max_recv_wr=16, max_send_sge=1, max_recv_sge=1)
     qp = QP(pd, QPInitAttr(qp_type=e.IBV_QPT_RC, scq=cq, rcq=cq, cap=cap))
-    gid_index, gid = local_ipv4_gid(ctx, eth0_ip())
+    if args.gid_index is None:
+        gid_index, gid = local_ipv4_gid(ctx, eth0_ip())
+    else:
+        gid_index, gid = args.gid_index, ctx.query_gid(1, args.gid_index).gid
     psn = random.randrange(1 << 24)
 
     conn = Peer(oob(args))
@@ -140,13 +171,21 @@ def main() -> None:
     attr.max_dest_rd_atomic = 1
     attr.max_rd_atomic = 1
     attr.min_rnr_timer = 12
-    attr.timeout = 14
-    attr.retry_cnt = 7
+    attr.timeout = args.timeout
+    attr.retry_cnt = args.retry
     attr.rnr_retry = 7
     gr = GlobalRoute(dgid=GID(peer["gid"]), sgid_index=gid_index, traffic_class=args.tc)
     gr.hop_limit = 64
     attr.ah_attr = AHAttr(gr=gr, is_global=1, port_num=1)
     qp.to_rts(attr)
+    qp_tc = qp.query(e.IBV_QP_AV)[0].ah_attr.traffic_class
+
+    first: list[float] = []
+
+    def first_completion() -> None:
+        if not first:
+            first.append(time.time())
+            print("first-rdma", flush=True)
 
     def post_recv() -> None:
         qp.post_recv(RecvWR(wr_id=1, num_sge=1, sg=[SGE(mr.buf, size, mr.lkey)]))
@@ -160,6 +199,7 @@ def main() -> None:
         wr.set_wr_rdma(peer["rkey"], peer["addr"] + size)
         qp.post_send(wr)
         poll(cq, 1, f"RDMA WRITE ({tag})")
+        first_completion()
         mr.write(pattern(tag + "-send", round_, size), size, 2 * size)
         wr = SendWR(
             wr_id=3, opcode=e.IBV_WR_SEND, num_sge=1, sg=[sge], send_flags=e.IBV_SEND_SIGNALED
@@ -169,6 +209,7 @@ def main() -> None:
 
     def receive_and_check(tag: str, round_: int) -> None:
         poll(cq, 1, f"RECV ({tag})")
+        first_completion()
         got_write = mr.read(size, size)
         got_send = mr.read(size, 0)
         if got_write != pattern(tag + "-write", round_, size):
@@ -191,6 +232,7 @@ def main() -> None:
         moved["server_to_client"] += 2 * size
         conn.swap({"done": r})
     elapsed = time.monotonic() - t0
+    bandwidth = stream(args, qp, cq, mr, peer, conn, post_recv) if args.bw_seconds else None
     print(
         json.dumps(
             {
@@ -200,14 +242,61 @@ def main() -> None:
                 "gid": gid,
                 "peer_gid": peer["gid"],
                 "traffic_class": args.tc,
+                "qp_traffic_class": qp_tc,
+                "device": args.dev,
+                "gid_index": gid_index,
                 "bytes": moved,
                 "rounds": args.rounds,
                 "seconds": round(elapsed, 3),
                 "verified": True,
+                **(bandwidth or {}),
             }
         )
     )
     conn.conn.close()
+
+
+def stream(args, qp: QP, cq: CQ, mr: MR, peer: dict, conn: Peer, post_recv) -> dict:
+    """The client RDMA-WRITEs `size` bytes, `depth` in flight, for `bw_seconds`, then
+    SENDs; the server waits for that SEND. Both report what the client measured."""
+    size = args.size
+    if args.role == "server":
+        post_recv()
+        conn.swap({"bw": "ready"})
+        poll(cq, 1, "RECV (end of stream)", timeout=args.bw_seconds + 120)
+        return conn.swap({"bw": "done"})
+    conn.swap({"bw": "ready"})
+    sge = SGE(mr.buf + 2 * size, size, mr.lkey)
+    depth, posted, completed = args.depth, 0, 0
+    t0 = time.monotonic()
+    deadline = t0 + args.bw_seconds
+    while True:
+        now = time.monotonic()
+        while posted - completed < depth and now < deadline:
+            wr = SendWR(wr_id=4, opcode=e.IBV_WR_RDMA_WRITE, num_sge=1, sg=[sge],
+                        send_flags=e.IBV_SEND_SIGNALED)  # fmt: skip
+            wr.set_wr_rdma(peer["rkey"], peer["addr"] + size)
+            qp.post_send(wr)
+            posted += 1
+        if completed == posted:
+            break
+        n, wcs = cq.poll(depth)
+        for wc in wcs[:n]:
+            if wc.status != e.IBV_WC_SUCCESS:
+                raise SystemExit(f"RDMA WRITE stream: completion status {wc.status}")
+        completed += n
+        if n == 0:
+            if now > deadline + 120:
+                raise SystemExit(f"RDMA WRITE stream: {posted - completed} WRs never completed")
+            time.sleep(0.0002)
+    elapsed = time.monotonic() - t0
+    wr = SendWR(wr_id=5, opcode=e.IBV_WR_SEND, num_sge=1, sg=[sge], send_flags=e.IBV_SEND_SIGNALED)
+    qp.post_send(wr)
+    poll(cq, 1, "SEND (end of stream)")
+    result = {"bw_bytes": completed * size, "bw_seconds": round(elapsed, 3),
+              "bw_gbps": round(completed * size * 8 / elapsed / 1e9, 4)}  # fmt: skip
+    conn.swap(result)
+    return result
 
 
 if __name__ == "__main__":
