@@ -104,16 +104,20 @@ class OperatorProcess:
         argv = [sys.executable, "-m", "metaroce_operator", *self.args]
         if self.netns:
             argv = ["ip", "netns", "exec", self.netns, *argv]
+        # temp files (the webhook's certificate directory) beside the log, in the test's
+        # own tmp: an operator killed with SIGKILL cannot remove them itself
+        tmp = self.log_path.parent / f"tmp-{self.identity}"
+        tmp.mkdir(exist_ok=True)
         env = {
             **os.environ,
             "KUBECONFIG": str(self.kubeconfig),
             "POD_NAME": self.identity,
             "PYTHONUNBUFFERED": "1",
+            "TMPDIR": str(tmp),
             **self.env,
         }
-        env.pop(
-            "METAROCE_TEST_CRASH_AT", None
-        ) if "METAROCE_TEST_CRASH_AT" not in self.env else None
+        if "METAROCE_TEST_CRASH_AT" not in self.env:
+            env.pop("METAROCE_TEST_CRASH_AT", None)
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
                 argv,
