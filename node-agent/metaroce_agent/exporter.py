@@ -7,7 +7,9 @@ whatever names exist, as `metaroce_rdma_port_<name>_total` and
 `metaroce_rdma_hw_<name>_total` labelled by device, port, netdev and network. Missing
 directories and unreadable or non-numeric files are skipped; a scrape never fails on
 them. The agent's metrics (apply duration, drift repairs, errors, probe latency and
-loss) live in the same registry.
+loss) live in the same registry, and so does the device plugin's state, read from the
+plugin at scrape time (`DevicePluginCollector`): whether the kubelet knows the resource,
+how many units are healthy, and how often it registered (each kubelet restart adds one).
 """
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ import logging
 import re
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from metaroce_agent.host import Host
@@ -126,6 +128,55 @@ class RdmaCounterCollector(Collector):
         return "".join(line for lines in groups.values() for line in lines)
 
 
+class PluginState(Protocol):
+    """What the device-plugin metrics need (`DevicePlugin.status()` has more)."""
+
+    registered: bool
+    registrations: int
+    healthy_units: int
+    total_units: int
+
+
+PluginSource = Callable[[], tuple[str, PluginState] | None]
+"""The network's resource name and its plugin's state; None while no plugin runs."""
+
+
+class DevicePluginCollector(Collector):
+    """The device plugin's state at scrape time: the metrics that explain a node whose
+    allocatable resource is 0 (not registered) or lower than its devices (unhealthy)."""
+
+    def __init__(self, network: str, source: PluginSource) -> None:
+        self.network = network
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        found = self.source()
+        if found is None:
+            return
+        resource, st = found
+        labels = ["network", "resource"]
+        registered = GaugeMetricFamily(
+            "metaroce_agent_device_plugin_registered",
+            "1 while the kubelet has the network's device plugin registered",
+            labels=labels,
+        )
+        registered.add_metric([self.network, resource], 1 if st.registered else 0)
+        units = GaugeMetricFamily(
+            "metaroce_agent_device_plugin_units",
+            "Units of the resource the plugin advertises, by health",
+            labels=[*labels, "health"],
+        )
+        units.add_metric([self.network, resource, "healthy"], st.healthy_units)
+        units.add_metric([self.network, resource, "unhealthy"], st.total_units - st.healthy_units)
+        registrations = CounterMetricFamily(
+            "metaroce_agent_device_plugin_registrations",
+            "Registrations with the kubelet (one more after each kubelet restart)",
+            labels=labels,
+        )
+        registrations.add_metric([self.network, resource], st.registrations)
+        yield from (registered, units, registrations)
+
+
 class AgentMetrics:
     """The agent's own metrics, in one registry with the RDMA counters."""
 
@@ -175,6 +226,10 @@ class AgentMetrics:
             registry=r,
         )  # fmt: skip
         self.info.labels(version=_version(), network=network, node=node).set(1)
+
+    def add_plugin_source(self, source: PluginSource) -> None:
+        """Report the device plugin's state (read from `source` at each scrape)."""
+        self.registry.register(DevicePluginCollector(self.network, source))
 
     def add_rdma_collector(self, collector: RdmaCounterCollector) -> None:
         """Serve `collector`'s counters next to the registry (rendered by the collector)."""

@@ -133,6 +133,7 @@ class Agent:
             self.host, self.config.network, devices=self._served_devices
         )
         self.metrics.add_rdma_collector(self.collector)
+        self.metrics.add_plugin_source(self._plugin_state)
         self.kube = kube
         if self.kube is None and options.report:
             self.kube = KubeClient.load(options.kubeconfig)
@@ -326,6 +327,11 @@ class Agent:
         log.info(
             "device plugin for %s started in %s", cfg.resource_name, self.options.device_plugin_dir
         )
+
+    def _plugin_state(self) -> tuple[str, Any] | None:
+        """The running plugin's resource and state, for the metrics (scrape thread)."""
+        plugin = self.plugin
+        return None if plugin is None else (plugin.config.resource_name, plugin.status())
 
     def stop_plugin(self) -> None:
         plugin, self.plugin = self.plugin, None

@@ -398,12 +398,36 @@ def test_2_annotated_pods_move_rdma_traffic(kube: Kube, operator: None) -> None:
     kube.kubectl("delete", "pod", "-n", POD_NAMESPACE, *pods.names, "--wait=true", timeout=120)
 
 
+def _plugin_metrics(kube: Kube, node: str) -> dict[str, float]:
+    """The agent's device-plugin metrics on `node`, scraped inside its pod."""
+    pod = next(p for p in _agent_pods(kube) if p["spec"]["nodeName"] == node)
+    scrape = (
+        "import urllib.request; print(urllib.request.urlopen("
+        f"'http://127.0.0.1:{constants.AGENT_METRICS_PORT}/metrics').read().decode())"
+    )
+    out = kube.kubectl(
+        "exec", "-n", NAMESPACE, pod["metadata"]["name"], "--", "python3", "-c", scrape
+    ).stdout
+    found = {}
+    for line in out.splitlines():
+        if line.startswith("metaroce_agent_device_plugin_"):
+            name, value = line.rsplit(" ", 1)
+            found[name.split("{")[0] + ("{healthy}" if 'health="healthy"' in name else "")] = float(
+                value
+            )
+    return found
+
+
 def test_3_kubelet_restart_keeps_the_resource(kube: Kube, operator: None) -> None:
     real = kube.real_nodes
     if real is None or real.guests is None:
         pytest.skip("restarting a kubelet needs the harness's own nodes")
     g = real.guests[0]
     before = _restarts(kube)
+    metrics = _plugin_metrics(kube, g.name)
+    assert metrics["metaroce_agent_device_plugin_registered"] == 1, metrics
+    assert metrics["metaroce_agent_device_plugin_units{healthy}"] == 4, metrics
+    registrations = metrics["metaroce_agent_device_plugin_registrations_total"]
     real.restart_kubelet(g)  # returns once the new kubelet reported Ready
     took = _wait(
         f"{RESOURCE} back on {g.name} after the kubelet restart",
@@ -411,6 +435,9 @@ def test_3_kubelet_restart_keeps_the_resource(kube: Kube, operator: None) -> Non
     )
     print(f"resource back {took:.1f} s after the restarted kubelet was Ready")
     assert _restarts(kube) == before, "an agent restarted: the plugin must re-register itself"
+    after = _plugin_metrics(kube, g.name)
+    assert after["metaroce_agent_device_plugin_registered"] == 1, after
+    assert after["metaroce_agent_device_plugin_registrations_total"] > registrations, after
 
 
 def test_4_deleting_the_network_cleans_the_nodes(kube: Kube, operator: None) -> None:

@@ -157,7 +157,12 @@ def test_alerts_and_dashboard_use_real_metric_names(cluster: LocalCluster) -> No
     docs = chart.render(cluster, "metaroce", OPTIONAL_ON)
     rules = chart.find(docs, "PrometheusRule")["spec"]["groups"][0]["rules"]
     alerts = {r["alert"] for r in rules}
-    assert {"MetaRoceNetworkDegraded", "MetaRoceNodeQoSDrift", "MetaRoceRdmaProbeLoss"} <= alerts
+    assert {
+        "MetaRoceNetworkDegraded",
+        "MetaRoceNodeQoSDrift",
+        "MetaRoceRdmaProbeLoss",
+        "MetaRoceDevicePluginNotRegistered",
+    } <= alerts
     dashboard = chart.find(docs, "ConfigMap")["data"]["metaroce-fabric.json"]
     json.loads(dashboard)
     exprs = " ".join(r["expr"] for r in rules) + dashboard

@@ -57,3 +57,33 @@ def test_agent_metrics_render(node) -> None:  # type: ignore[no-untyped-def]
     assert 'metaroce_agent_drift_repairs_total{knob="pfc"} 1.0' in text
     assert 'metaroce_probe_latency_microseconds{peer="node-2",quantile="0.99"} 42.0' in text
     assert "metaroce_agent_apply_duration_seconds_bucket" in text
+
+
+def test_device_plugin_state_at_scrape_time() -> None:
+    """Not registered (allocatable 0) and unhealthy units are visible; no plugin, no rows."""
+    from metaroce_agent.deviceplugin.plugin import PluginStatus
+
+    state: list[tuple[str, PluginStatus] | None] = [None]
+    metrics = AgentMetrics("rdma-a", "node-1")
+    metrics.add_plugin_source(lambda: state[0])
+
+    def read() -> dict[str, list[tuple[dict[str, str], float]]]:
+        out: dict[str, list[tuple[dict[str, str], float]]] = {}
+        for fam in text_string_to_metric_families(metrics.render().decode()):
+            for s in fam.samples:
+                out.setdefault(s.name, []).append((s.labels, s.value))
+        return out
+
+    assert not any("device_plugin" in name for name in read())
+    state[0] = (
+        "metaroce.io/rdma-a",
+        PluginStatus(
+            registered=False, registrations=2, devices=["rxe0"], healthy_units=3, total_units=4
+        ),
+    )
+    m = read()
+    labels = {"network": "rdma-a", "resource": "metaroce.io/rdma-a"}
+    assert m["metaroce_agent_device_plugin_registered"] == [(labels, 0.0)]
+    assert m["metaroce_agent_device_plugin_registrations_total"] == [(labels, 2.0)]
+    units = {s[0]["health"]: s[1] for s in m["metaroce_agent_device_plugin_units"]}
+    assert units == {"healthy": 3.0, "unhealthy": 1.0}
