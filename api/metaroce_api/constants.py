@@ -94,6 +94,10 @@ CONTAINER_ANNOTATION: Final = f"{GROUP}/container"
 first)."""
 PROBE_ENDPOINT_ANNOTATION: Final = f"{GROUP}/probe-endpoint"
 """On a NodeState: `<ip>:<port>` of the agent's RDMA probe side channel, for peer agents."""
+METRICS_PORT_ANNOTATION: Final = f"{GROUP}/metrics-port"
+"""On an agent Pod: the host port of its /metrics (`spec.agent.metricsPort`); the chart's
+PodMonitor scrapes it. Not a declared containerPort: with the host network that would be
+a hostPort, and the scheduler would then refuse a second network's agent on the node."""
 WEBHOOK_MUTATE_PATH: Final = "/mutate-pod"
 """Path of the pod mutating webhook (the chart's `pods.metaroce.io` clientConfig)."""
 WEBHOOK_VALIDATE_PATH: Final = "/validate-network"

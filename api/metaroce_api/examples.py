@@ -100,6 +100,8 @@ def full_network(name: str = "example") -> dict[str, Any]:
                 "updateStrategy": {"maxUnavailable": "10%"},
                 "logLevel": "info",
                 "driftInterval": "5m",
+                "metricsPort": 9478,
+                "probePort": 47911,
             },
             "cleanupOnDelete": True,
         },

@@ -521,6 +521,27 @@ class AgentSpec(ApiModel):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     drift_interval: Duration = "5m"
     """How often the agent reads every applied knob back and re-applies what changed."""
+    metrics_port: Annotated[int, Field(ge=1024, le=65535)] = 9478
+    """Host port of the agent's /metrics (the agents use the host network): two networks on
+    one node need different ports."""
+    probe_port: Annotated[int, Field(ge=1024, le=65535)] = 47911
+    """Host port of the agent's RDMA probe endpoint (TCP); per network, like metricsPort."""
+
+    cel_rules = (
+        Rule(
+            name="agent-ports-differ",
+            cel="self.metricsPort != self.probePort",
+            field=".probePort",
+            message="agent.probePort must differ from agent.metricsPort: both are host ports "
+            "of the same agent",
+            check=lambda s: s.metrics_port != s.probe_port,
+            rejects=Case(
+                _spec(agent={"metricsPort": 9478, "probePort": 9478}),
+                field="spec.agent.probePort",
+            ),
+            accepts=Case(_spec(agent={"metricsPort": 9479, "probePort": 47912})),
+        ),
+    )
 
 
 # --- spec, status, object ------------------------------------------------------------------------

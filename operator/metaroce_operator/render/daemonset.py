@@ -57,7 +57,10 @@ def render_daemonset(ctx: RenderContext) -> dict[str, Any]:
         **ctx.values(),
         selector=ctx.selector,
         max_unavailable=spec.agent.update_strategy.max_unavailable,
-        pod_annotations={c.CONFIG_HASH_ANNOTATION: ctx.config_hash},
+        pod_annotations={
+            c.CONFIG_HASH_ANNOTATION: ctx.config_hash,
+            c.METRICS_PORT_ANNOTATION: str(spec.agent.metrics_port),
+        },
         node_selector=node_selector,
         affinity=affinity,
         tolerations=tolerations(ctx.network),
@@ -66,6 +69,8 @@ def render_daemonset(ctx: RenderContext) -> dict[str, Any]:
         config_file=CONFIG_FILE,
         config_path=f"{CONFIG_DIR}/{CONFIG_FILE}",
         config_key=c.AGENT_CONFIG_KEY,
+        metrics_port=spec.agent.metrics_port,
+        probe_port=spec.agent.probe_port,
         resources={
             k: v for k, v in (("requests", resources.requests), ("limits", resources.limits)) if v
         },

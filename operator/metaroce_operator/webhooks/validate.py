@@ -9,6 +9,9 @@ across objects and at what the selected NICs can do:
   current nodes' labels). When no node is selected by both today but the selectors could
   still meet, or the two select NICs by different attributes (drivers vs names), it is a
   warning: the operator's leader re-checks from what the agents report;
+- agent host ports (a warning): another network whose agents run on the same nodes with
+  the same `agent.metricsPort` or `agent.probePort` (the agents use the host network, so
+  the later agent cannot bind the port and its metrics or probes are missing there);
 - resource names: `attachment.resourceName` (after its default) used by another network;
 - transport vs NICs: `rocev2` (hardware) on NICs whose drivers or vendors have no RDMA,
   or on SoftRoCE devices (`rxe*`); `auto` on such NICs without `allowSoftRoceFallback`;
@@ -185,6 +188,31 @@ def _conflicts(
             )
 
 
+def _ports(
+    net: MetaRoceNetwork,
+    others: Sequence[MetaRoceNetwork],
+    nodes: Mapping[str, Mapping[str, str]] | None,
+    verdict: Verdict,
+) -> None:
+    mine = {net.spec.agent.metrics_port, net.spec.agent.probe_port}
+    for other in others:
+        theirs = {other.spec.agent.metrics_port, other.spec.agent.probe_port}
+        clash = sorted(mine & theirs)
+        a, b = net.spec.node_selector, other.spec.node_selector
+        if not clash or selectors_disjoint(a, b):
+            continue
+        both = shared_nodes(a, b, nodes) if nodes is not None else []
+        if nodes is not None and not both:
+            continue
+        where = f" on {len(both)} node(s) ({', '.join(both[:5])})" if both else ""
+        verdict.warnings.append(
+            f"network {other.name!r} runs agents on the same nodes{where} with host port(s) "
+            f"{', '.join(map(str, clash))}: only one agent per node can bind a port, so set "
+            f"other spec.agent.metricsPort and spec.agent.probePort in one of the two (e.g. "
+            f"{max(theirs) + 1} and {max(theirs) + 2})"
+        )
+
+
 _NIC_ATTRIBUTES = ("interface_names", "pci_vendor_ids", "pci_device_ids", "drivers", "rdma_devices")
 
 
@@ -317,6 +345,7 @@ def validate_network_change(
         return verdict
     rest = sorted((o for o in others if o.name != net.name), key=lambda o: o.name)
     _conflicts(net, rest, nodes, verdict)
+    _ports(net, rest, nodes, verdict)
     _resource_names(net, rest, verdict)
     _transport(net, verdict)
     return verdict

@@ -77,6 +77,8 @@ def test_daemonset_runs_privileged_host_network_agent(settings: RenderSettings) 
         "--config",
         "/etc/metaroce/agent.yaml",
         "--require-pyverbs",
+        "--metrics-port=9478",
+        "--probe-port=47911",
     ]
     assert container["image"] == "example.com/agent:v1"
     env = {e["name"]: e for e in container["env"]}
@@ -98,6 +100,17 @@ def test_daemonset_runs_privileged_host_network_agent(settings: RenderSettings) 
         "requests": {"cpu": "50m", "memory": "64Mi"},
         "limits": {"memory": "256Mi"},
     }
+
+
+def test_agent_host_ports_come_from_the_spec(settings: RenderSettings) -> None:
+    """A second network on the same nodes picks other ports; the PodMonitor finds /metrics
+    through the pod annotation (a declared hostPort would stop the scheduler placing it)."""
+    objs = render_network(network(agent={"metricsPort": 9479, "probePort": 47912}), settings)
+    (container,) = pod_spec(objs)["containers"]
+    assert container["command"][-2:] == ["--metrics-port=9479", "--probe-port=47912"]
+    assert "ports" not in container
+    template = by_kind(objs)["DaemonSet"]["spec"]["template"]
+    assert template["metadata"]["annotations"][c.METRICS_PORT_ANNOTATION] == "9479"
 
 
 def test_node_selector_tolerations_and_update_strategy(settings: RenderSettings) -> None:

@@ -179,6 +179,29 @@ def test_without_node_information_selectors_decide() -> None:
     assert check(obj, nodes=None)[0] == []
 
 
+def test_same_agent_ports_on_shared_nodes_warn() -> None:
+    """Disjoint NICs on the same nodes are fine, but both agents cannot bind one host port."""
+    obj = network_obj(
+        "new", nics={"interfaceNames": ["ens2f*"]}, nodeSelector={"matchLabels": {"pool": "a"}}
+    )
+    problems, warnings = check(obj)
+    assert problems == []
+    (warning,) = [w for w in warnings if "host port" in w]
+    assert "network 'backend'" in warning and "2 node(s)" in warning and "9478" in warning
+    assert "spec.agent.metricsPort" in warning
+    other_ports = network_obj(
+        "new",
+        nics={"interfaceNames": ["ens2f*"]},
+        nodeSelector={"matchLabels": {"pool": "a"}},
+        agent={"metricsPort": 9479, "probePort": 47912},
+    )
+    assert not [w for w in check(other_ports)[1] if "host port" in w]
+    elsewhere = network_obj(
+        "new", nics={"interfaceNames": ["ens2f*"]}, nodeSelector={"matchLabels": {"pool": "c"}}
+    )
+    assert not [w for w in check(elsewhere)[1] if "host port" in w]
+
+
 def test_metaroce_warns_that_the_agent_lacks_it() -> None:
     obj = network_obj(
         "new",
