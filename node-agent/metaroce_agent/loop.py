@@ -450,10 +450,22 @@ class Agent:
 
     # --- run -----------------------------------------------------------------------------
     def serve_metrics(self) -> None:
+        """Serve /metrics; a port someone else holds (e.g. another network's agent on this
+        node) costs the metrics, not the node's RDMA: the agent goes on without them."""
         if self.options.metrics_port is not None and self.server is None:
-            self.server = MetricsServer(
-                self.metrics, self.options.metrics_address, self.options.metrics_port
-            )
+            try:
+                self.server = MetricsServer(
+                    self.metrics, self.options.metrics_address, self.options.metrics_port
+                )
+            except OSError as e:
+                log.error(
+                    "cannot serve metrics on %s:%d: %s; going on without /metrics. If another "
+                    "network's agent runs on this node, give one of the two networks another "
+                    "spec.agent.metricsPort",
+                    self.options.metrics_address,
+                    self.options.metrics_port,
+                    e,
+                )
 
     def run(self) -> int:
         self.serve_metrics()

@@ -520,7 +520,11 @@ class Prober:
         try:
             self.server = ProbeServer(address, self.port, self.local)
         except OSError as e:
-            log.error("probe server cannot listen on %s:%d: %s", address, self.port, e)
+            log.error(
+                "probe server cannot listen on %s:%d: %s; no probes from this node. If another "
+                "network's agent runs here, give one of the two another spec.agent.probePort",
+                address, self.port, e,
+            )  # fmt: skip
             return
         threading.Thread(target=self.server.serve, name="probe-server", daemon=True).start()
         self.publish(f"{address}:{self.server.port}")

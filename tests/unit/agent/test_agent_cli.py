@@ -26,6 +26,29 @@ def write_config(path: Path, **kw) -> Path:  # type: ignore[no-untyped-def]
     return path
 
 
+def test_a_taken_metrics_port_costs_only_the_metrics(tmp_path: Path) -> None:
+    """Another network's agent on the node holds the port: this agent still configures
+    the node (it must not crash-loop over its /metrics)."""
+    import socket
+
+    tree, kernel = softroce_node(tmp_path / "root")
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    try:
+        opts = AgentOptions(
+            config_path=write_config(tmp_path / "agent.yaml"), node_name="node-1", report=False,
+            metrics_port=taken.getsockname()[1], metrics_address="127.0.0.1",
+        )  # fmt: skip
+        agent = Agent(opts, host=FixtureHost(tree.root, runner=kernel))
+        agent.serve_metrics()
+        assert agent.server is None
+        agent.apply_pass()
+        assert agent.state.status is not None and agent.state.status.phase == "Ready"
+    finally:
+        taken.close()
+
+
 def test_agent_loop_applies_repairs_drift_and_serves_metrics(tmp_path: Path) -> None:
     tree, kernel = softroce_node(tmp_path / "root")
     host = FixtureHost(tree.root, runner=kernel)
