@@ -11,6 +11,9 @@ real-node e2e tests.
 from __future__ import annotations
 
 import base64
+import json
+import sys
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,8 +34,6 @@ IPs, and the webhook Service would send some admission calls there."""
 
 def set_flags(values: Mapping[str, Any], prefix: str = "") -> list[str]:
     """`--set-json` flags for nested values (exact types: ints stay ints)."""
-    import json
-
     flags: list[str] = []
     for key, value in values.items():
         path = f"{prefix}{key}"
@@ -57,8 +58,6 @@ def render(
 
 def kube_version(cluster: LocalCluster) -> str:
     """The apiserver's version (`helm template` assumes an old one otherwise)."""
-    import json
-
     out = cluster.kubectl("version", "-o", "json").stdout
     return str(json.loads(out)["serverVersion"]["gitVersion"])
 
@@ -160,10 +159,6 @@ def start_host_operator(
 
     Exactly the chart's arguments, the chart ServiceAccount's token, and the chart's
     webhook Service routed to the process (EndpointSlice to the pod network)."""
-    import json
-    import sys
-    import time
-
     net = cluster.pod_network
     if net is None:
         raise HarnessError("the cluster is not started")
