@@ -13,7 +13,6 @@ from __future__ import annotations
 import base64
 import json
 import sys
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from typing import Any
 import yaml
 
 from metaroce_harness.cluster import REPO_ROOT, Component, HarnessError, LocalCluster
+from metaroce_harness.polling import wait_for
 
 CHART_DIR = REPO_ROOT / "charts" / "metaroce"
 CRD_DIR = REPO_ROOT / "crds"
@@ -183,23 +183,21 @@ def start_host_operator(
         proc = cluster.kubectl("get", *what, "-o", "json", check=False)
         return json.loads(proc.stdout) if proc.returncode == 0 else None
 
-    deadline = time.monotonic() + timeout
-    while True:
+    def leading_with_ca() -> bool:
         operator.check_alive()
         lease = get("lease", "metaroce-operator", "-n", namespace)
         hooks = [
             get("validatingwebhookconfiguration", f"{release}-networks"),
             get("mutatingwebhookconfiguration", f"{release}-pods"),
         ]
-        if (
+        return bool(
             lease
             and lease["spec"].get("holderIdentity")
             and all(h and h["webhooks"][0]["clientConfig"].get("caBundle") for h in hooks)
-        ):
-            return operator
-        if time.monotonic() > deadline:
-            raise HarnessError(
-                f"the operator did not lead and publish its webhook CA within {timeout:.0f} s; "
-                f"read {operator.log_path}"
-            )
-        time.sleep(1)
+        )
+
+    try:
+        wait_for("the operator to lead and publish its webhook CA", leading_with_ca, timeout, 1)
+    except AssertionError as exc:
+        raise HarnessError(f"{exc}; read {operator.log_path}") from None
+    return operator
