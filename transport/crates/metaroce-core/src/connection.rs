@@ -391,7 +391,9 @@ impl Connection {
             if i >= self.paths.len() || self.paths[i].epoch != e.epoch {
                 continue;
             }
+            let ce_before = self.paths[i].ce_echoed;
             let outcome = self.paths[i].on_ack(now, e, 0);
+            out.counters.ce_echoed += self.paths[i].ce_echoed - ce_before;
             if !outcome.acked.is_empty() {
                 self.last_progress = now;
             }

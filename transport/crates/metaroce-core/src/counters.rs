@@ -19,6 +19,8 @@ pub struct Counters {
     /// Gaps this receiver saw in a path's sequence.
     pub gaps_seen: u64,
     pub ce_rcvd: u64,
+    /// CE marks the peers echoed back to this sender.
+    pub ce_echoed: u64,
     pub rtos: u64,
     pub tlps: u64,
     pub path_failures: u64,

@@ -42,7 +42,10 @@ fn run(seed: u64, loss: f64, dup: f64, burst: bool, sizes: &[usize]) {
                         let i = c.tag as usize;
                         got[e][i] += 1;
                         let base = if e == 1 { 0 } else { 1000 };
-                        assert!(c.buf.unwrap().into_vec().unwrap() == pattern(i as u64 + base, sizes[i]), "seed {seed}: message {i} corrupted");
+                        assert!(
+                            c.buf.unwrap().into_vec().unwrap() == pattern(i as u64 + base, sizes[i]),
+                            "seed {seed}: message {i} corrupted"
+                        );
                     }
                 }
             }
