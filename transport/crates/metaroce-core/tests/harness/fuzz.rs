@@ -101,7 +101,8 @@ fn u32_of(b: &[u8], i: usize) -> u32 {
     u32::from_le_bytes(x)
 }
 
-pub fn run(data: &[u8]) {
+/// Returns B's counters (drops, duplicates) for the caller's checks.
+pub fn run(data: &[u8]) -> metaroce_core::Counters {
     let mut p = Pair::new();
     let token = p.b_token();
     let mut input = data;
@@ -184,4 +185,5 @@ pub fn run(data: &[u8]) {
         }
         assert!(ok, "transfer did not complete after garbage: {:?}", p.b.counters());
     }
+    p.b.counters()
 }
