@@ -134,8 +134,10 @@ ssize_t mrfi_recv(struct mrfi_ep *ep, void *buf, size_t len, fi_addr_t src,
 		return -FI_EOPBADSTATE;
 	if (flags & FI_MULTI_RECV)
 		return -FI_EBADFLAGS;
-	/* Without FI_DIRECTED_RECV the source address is ignored. */
-	if ((ep->caps & FI_DIRECTED_RECV) && src != FI_ADDR_UNSPEC) {
+	/* Without FI_DIRECTED_RECV the source address is ignored, and so it is
+	 * when taking a claimed message (the claim names the message). */
+	bool claimed = (flags & FI_CLAIM) && !(flags & FI_PEEK);
+	if ((ep->caps & FI_DIRECTED_RECV) && src != FI_ADDR_UNSPEC && !claimed) {
 		rc = mrfi_av_peer(ep, src, &peer);
 		if (rc)
 			return rc;

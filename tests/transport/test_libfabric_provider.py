@@ -1,0 +1,245 @@
+"""The libfabric provider "metaroce" driven by clients we did not write: Debian's fi_info
+and fi_pingpong, and Open MPI (pml cm, mtl ofi) running mpi4py, on this host.
+
+The provider is built here (make -C transport/libfabric) against the transport's static
+library, itself built with cargo when it is missing. Nothing is skipped: a missing tool
+or library fails the test with what to install or build.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TRANSPORT = ROOT / "transport"
+PROVIDER_SRC = TRANSPORT / "libfabric"
+PROVIDER_DIR = PROVIDER_SRC / "build"
+STATIC_LIB = TRANSPORT / "target" / "release" / "libmetaroce.a"
+MPI_CHECK = Path(__file__).with_name("mpi_provider_check.py")
+SYSTEM_PYTHON = "/usr/bin/python3"
+"""Debian's python3-mpi4py is installed for the system interpreter, not the .venv."""
+
+
+def _need(tool: str, package: str) -> str:
+    path = shutil.which(tool)
+    if path is None:
+        pytest.fail(f"{tool} not found: install Debian's {package}")
+    return path
+
+
+def _run(
+    cmd: list[str], timeout: float, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd, check=False
+    )
+
+
+@pytest.fixture(scope="session")
+def provider_dir() -> Path:
+    """Build the transport (if missing) and the provider; return FI_PROVIDER_PATH."""
+    if not STATIC_LIB.exists():
+        cargo = shutil.which("cargo")
+        if cargo is None:
+            pytest.fail(
+                f"{STATIC_LIB} is missing and cargo is not installed: build the transport first"
+            )
+        built = _run([cargo, "build", "--release", "--locked"], timeout=1800, cwd=TRANSPORT)
+        if built.returncode != 0 or not STATIC_LIB.exists():
+            log = built.stdout[-3000:] + built.stderr[-3000:]
+            pytest.fail(f"cargo build --release in {TRANSPORT} failed:\n{log}")
+    make = _run(["make", "-C", str(PROVIDER_SRC), "check"], timeout=600)
+    if make.returncode != 0:
+        pytest.fail(f"building the provider failed:\n{make.stdout[-3000:]}{make.stderr[-3000:]}")
+    so = PROVIDER_DIR / "libmetaroce-fi.so"
+    assert so.exists(), f"make succeeded but {so} is missing"
+    return PROVIDER_DIR
+
+
+def _env(provider: Path, **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["FI_PROVIDER_PATH"] = str(provider)
+    # Loopback keeps the test independent of the host's interfaces.
+    env["MR_CONFIG"] = "addr=127.0.0.1"
+    env.update(extra)
+    return env
+
+
+def test_only_fi_prov_ini_is_exported(provider_dir: Path) -> None:
+    nm = _run(["nm", "-D", "--defined-only", str(provider_dir / "libmetaroce-fi.so")], timeout=30)
+    assert nm.returncode == 0, nm.stderr
+    names = {line.split()[-1].split("@")[0] for line in nm.stdout.splitlines() if line.strip()}
+    assert names == {"fi_prov_ini"}, f"exported: {sorted(names)}"
+    ldd = _run(["ldd", str(provider_dir / "libmetaroce-fi.so")], timeout=30)
+    assert "libmetaroce" not in ldd.stdout, (
+        f"the transport must be linked in statically:\n{ldd.stdout}"
+    )
+
+
+def test_fi_info_lists_the_provider(provider_dir: Path) -> None:
+    fi_info = _need("fi_info", "libfabric-bin")
+    out = _run([fi_info, "-p", "metaroce", "-v"], timeout=60, env=_env(provider_dir))
+    assert out.returncode == 0, f"fi_info -p metaroce failed:\n{out.stdout}{out.stderr}"
+    text = out.stdout
+    assert "prov_name: metaroce" in text
+    assert "type: FI_EP_RDM" in text
+    for cap in ("FI_MSG", "FI_TAGGED", "FI_DIRECTED_RECV", "FI_SOURCE", "FI_LOCAL_COMM"):
+        assert cap in text, f"{cap} not advertised"
+    assert "FI_RMA" not in text and "FI_ATOMIC" not in text, (
+        "RMA/atomics advertised but not implemented"
+    )
+    assert "cq_data_size: 8" in text
+    assert "threading: FI_THREAD_SAFE" in text
+    assert "op_flags: [ FI_TRANSMIT_COMPLETE ]" in text
+    # Hints it cannot meet give no entry.
+    rma = _run([fi_info, "-p", "metaroce", "-c", "FI_RMA"], timeout=60, env=_env(provider_dir))
+    assert rma.returncode != 0 and "provider: metaroce" not in rma.stdout
+
+
+def _free_tcp_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _listening(port: int) -> bool:
+    want = f":{port:04X} "
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        if any(want in line and line.split()[3] == "0A" for line in lines):
+            return True
+    return False
+
+
+@pytest.fixture
+def pingpong_port() -> Iterator[int]:
+    yield _free_tcp_port()
+
+
+@pytest.mark.parametrize("mode", ["tagged", "msg"])
+def test_fi_pingpong_checks_data(provider_dir: Path, pingpong_port: int, mode: str) -> None:
+    pingpong = _need("fi_pingpong", "libfabric-bin")
+    args = [pingpong, "-p", "metaroce", "-e", "rdm", "-m", mode, "-c", "-S", "all", "-I", "1000"]
+    env = _env(provider_dir)
+    server = subprocess.Popen(
+        [*args, "-B", str(pingpong_port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not _listening(pingpong_port):
+            assert server.poll() is None, f"fi_pingpong server exited:\n{server.communicate()[0]}"
+            assert time.monotonic() < deadline, "fi_pingpong server never listened"
+            time.sleep(0.05)
+        client = _run([*args, "-P", str(pingpong_port), "127.0.0.1"], timeout=240, env=env)
+        server_out, _ = server.communicate(timeout=60)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    assert client.returncode == 0, (
+        f"client failed:\n{client.stdout}{client.stderr}\nserver:\n{server_out}"
+    )
+    assert server.returncode == 0, f"server failed:\n{server_out}"
+    # -S all: every size from 1 byte to 6 MiB, 1000 iterations each, data checked (-c).
+    rows = [
+        line
+        for line in client.stdout.splitlines()
+        if line.split()[:1] and line.split()[0][0].isdigit()
+    ]
+    assert len(rows) >= 40, f"expected every size in the table:\n{client.stdout}"
+    assert any(row.split()[0] == "6m" for row in rows), client.stdout
+    assert "Error" not in client.stdout + server_out
+
+
+def _mpirun(provider: Path, ranks: int, timeout: float) -> subprocess.CompletedProcess[str]:
+    mpirun = _need("mpirun", "openmpi-bin")
+    if not Path(SYSTEM_PYTHON).exists():
+        pytest.fail(f"{SYSTEM_PYTHON} missing: install Debian's python3-mpi4py")
+    cmd = [
+        mpirun,
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "-np",
+        str(ranks),
+        "--mca",
+        "pml",
+        "cm",
+        "--mca",
+        "mtl",
+        "ofi",
+        "--mca",
+        "mtl_ofi_provider_include",
+        "metaroce",
+        "-x",
+        "FI_PROVIDER_PATH",
+        "-x",
+        "MR_CONFIG",
+        SYSTEM_PYTHON,
+        str(MPI_CHECK),
+    ]
+    return _run(cmd, timeout=timeout, env=_env(provider))
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_open_mpi_over_the_provider(provider_dir: Path, ranks: int) -> None:
+    out = _mpirun(provider_dir, ranks, timeout=300)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, f"mpirun failed ({out.returncode}):\n{text[-6000:]}"
+    for r in range(ranks):
+        assert f"ALL-OK rank {r}" in out.stdout, f"rank {r} did not finish:\n{text[-6000:]}"
+    # pml cm must really have used the OFI MTL over metaroce (not silently ob1/tcp).
+    assert "CHECK cancel ok" in out.stdout
+
+
+def test_open_mpi_selected_metaroce(provider_dir: Path) -> None:
+    """With mtl_base_verbose the MTL names the provider it selected."""
+    mpirun = _need("mpirun", "openmpi-bin")
+    cmd = [
+        mpirun,
+        "--allow-run-as-root",
+        "-np",
+        "1",
+        "--mca",
+        "pml",
+        "cm",
+        "--mca",
+        "mtl",
+        "ofi",
+        "--mca",
+        "mtl_ofi_provider_include",
+        "metaroce",
+        "--mca",
+        "mtl_base_verbose",
+        "100",
+        "-x",
+        "FI_PROVIDER_PATH",
+        "-x",
+        "MR_CONFIG",
+        SYSTEM_PYTHON,
+        "-c",
+        "from mpi4py import MPI; print('size', MPI.COMM_WORLD.Get_size())",
+    ]
+    out = _run(cmd, timeout=120, env=_env(provider_dir))
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-4000:]
+    assert "mtl:ofi:provider: metaroce" in text, text[-4000:]
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))
