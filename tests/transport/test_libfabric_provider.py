@@ -57,7 +57,7 @@ def provider_dir() -> Path:
         if built.returncode != 0 or not STATIC_LIB.exists():
             log = built.stdout[-3000:] + built.stderr[-3000:]
             pytest.fail(f"cargo build --release in {TRANSPORT} failed:\n{log}")
-    make = _run(["make", "-C", str(PROVIDER_SRC), "check"], timeout=600)
+    make = _run(["make", "-C", str(PROVIDER_SRC), "check", "selftest"], timeout=600)
     if make.returncode != 0:
         pytest.fail(f"building the provider failed:\n{make.stdout[-3000:]}{make.stderr[-3000:]}")
     so = PROVIDER_DIR / "libmetaroce-fi.so"
@@ -83,6 +83,14 @@ def test_only_fi_prov_ini_is_exported(provider_dir: Path) -> None:
     assert "libmetaroce" not in ldd.stdout, (
         f"the transport must be linked in statically:\n{ldd.stdout}"
     )
+
+
+def test_provider_semantics_in_one_process(provider_dir: Path) -> None:
+    """build/selftest: peek/claim/discard, truncation, cancel, cq data, FI_SOURCE,
+    directed receives, inject with a completion, selective completion, sread, wait fd."""
+    out = _run([str(provider_dir / "selftest")], timeout=120, env=_env(provider_dir))
+    assert out.returncode == 0, f"selftest failed:\n{out.stdout}{out.stderr}"
+    assert "ALL-OK" in out.stdout, out.stdout
 
 
 def test_fi_info_lists_the_provider(provider_dir: Path) -> None:
