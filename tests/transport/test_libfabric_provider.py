@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -39,9 +40,24 @@ def _need(tool: str, package: str) -> str:
 def _run(
     cmd: list[str], timeout: float, env: dict[str, str] | None = None, cwd: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd, check=False
+    """Run cmd in its own process group; on timeout the whole group is killed (mpirun's
+    ranks included) and the test fails with what was printed."""
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=cwd,
+        start_new_session=True,
     )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} ran over {timeout} s:\n{out[-4000:]}{err[-4000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 @pytest.fixture(scope="session")
