@@ -12,6 +12,9 @@ die() { printf '[setup] ERROR: %s\n' "$*" >&2; exit 1; }
 
 # --- host packages ------------------------------------------------------------------
 packages=(iproute2 kmod procps qemu-system-x86 debootstrap cpio zstd xz-utils dpkg-dev)
+# The MetaRoCE transport's tests and benchmarks: real libfabric clients, Open MPI,
+# mpi4py, nftables for the namespace fabric, iperf3 for its capacity.
+packages+=(libfabric-dev libfabric-bin openmpi-bin libopenmpi-dev python3-mpi4py nftables iperf3)
 missing=()
 for p in "${packages[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if ((${#missing[@]})); then
@@ -39,6 +42,9 @@ if [[ ! -x .venv/bin/python || "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
 fi
 
 # --- heavy artefacts, cached outside the repo -------------------------------------------
+t0=$SECONDS
+bash hack/build-transport.sh >/dev/null
+say "MetaRoCE transport built ($((SECONDS - t0)) s)"
 t0=$SECONDS
 bash hack/build-k8s.sh >/dev/null
 say "Kubernetes binaries ready ($((SECONDS - t0)) s)"

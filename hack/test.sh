@@ -9,6 +9,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 BUDGET_SETUP=${BUDGET_SETUP:-3000}
 BUDGET_LINT=${BUDGET_LINT:-300}
 BUDGET_UNIT=${BUDGET_UNIT:-300}
+BUDGET_TRANSPORT=${BUDGET_TRANSPORT:-900}
 BUDGET_INTEGRATION=${BUDGET_INTEGRATION:-1500}
 BUDGET_E2E=${BUDGET_E2E:-1500}
 
@@ -41,6 +42,7 @@ print_summary() {
 run_step setup "$BUDGET_SETUP" bash hack/setup.sh
 run_step lint "$BUDGET_LINT" bash -c '.venv/bin/ruff check . && .venv/bin/ruff format --check . && .venv/bin/mypy api/metaroce_api operator/metaroce_operator node-agent/metaroce_agent hack/metaroce_harness cli/metaroce_cli'
 run_step unit "$BUDGET_UNIT" .venv/bin/pytest tests/unit -q
+run_step transport "$BUDGET_TRANSPORT" bash hack/test-transport.sh
 run_step integration "$BUDGET_INTEGRATION" .venv/bin/pytest tests/integration -q -m integration --durations=15
 run_step e2e "$BUDGET_E2E" .venv/bin/pytest tests/e2e -q -m e2e --durations=15
 print_summary

@@ -1,0 +1,152 @@
+//! AIMD per path: slow start to the first congestion signal, then one MSS per
+//! RTT up; down by BETA_LOSS once per RTT on loss, DCTCP-style on the fraction
+//! of CE-marked packets (alpha, a moving average with gain 1/16), and, like
+//! Swift, in proportion to the RTT above a target queueing delay over the
+//! path's minimum RTT (where no switch marks CE, a growing queue still says so).
+
+use super::Controller;
+use crate::time::Micros;
+
+pub const INITIAL_WINDOW_PACKETS: u64 = 16;
+pub const MIN_WINDOW_PACKETS: u64 = 2;
+/// Loss is a weak congestion signal on a fabric that drops at random: back off
+/// less than TCP's 0.5 (CUBIC uses 0.7).
+pub const BETA_LOSS: f64 = 0.7;
+pub const ALPHA_GAIN: f64 = 1.0 / 16.0;
+/// Queueing delay a path may build before the window comes down.
+pub const QUEUE_TARGET_US: Micros = 500;
+/// Swift's beta and cap on one decrease.
+pub const BETA_DELAY: f64 = 0.8;
+pub const MAX_DELAY_DECREASE: f64 = 0.5;
+
+#[derive(Debug, Clone)]
+pub struct Aimd {
+    mss: u64,
+    max_window: u64,
+    cwnd: u64,
+    ssthresh: u64,
+    /// Packets sent before this time do not cut the window again (one cut per RTT).
+    recovery_until: Micros,
+    alpha: f64,
+    last_ce_cut: Micros,
+    last_delay_cut: Micros,
+}
+
+impl Aimd {
+    pub fn new(mss: u64, max_window: u64) -> Self {
+        let cwnd = (INITIAL_WINDOW_PACKETS * mss).min(max_window);
+        Self { mss, max_window, cwnd, ssthresh: u64::MAX, recovery_until: 0, alpha: 0.0, last_ce_cut: 0, last_delay_cut: 0 }
+    }
+
+    fn min_window(&self) -> u64 {
+        MIN_WINDOW_PACKETS * self.mss
+    }
+
+    pub fn alpha(&self) -> f64 {
+        self.alpha
+    }
+}
+
+impl Controller for Aimd {
+    fn window(&self) -> u64 {
+        self.cwnd
+    }
+
+    fn on_ack(&mut self, now: Micros, acked: u64, rtt: Micros, min_rtt: Micros, srtt: Micros) {
+        let target = min_rtt.saturating_add(QUEUE_TARGET_US.max(min_rtt / 2));
+        if rtt > target {
+            if now >= self.last_delay_cut + srtt.max(1) {
+                self.last_delay_cut = now;
+                let f = (BETA_DELAY * (rtt - target) as f64 / rtt as f64).min(MAX_DELAY_DECREASE);
+                self.cwnd = ((self.cwnd as f64 * (1.0 - f)) as u64).max(self.min_window());
+                self.ssthresh = self.cwnd;
+            }
+            return;
+        }
+        let grow = if self.cwnd < self.ssthresh { acked } else { (self.mss * acked / self.cwnd).max(1) };
+        self.cwnd = (self.cwnd + grow).min(self.max_window);
+    }
+
+    fn on_ce(&mut self, now: Micros, marked: u32, total: u32, srtt: Micros) {
+        if total == 0 {
+            return;
+        }
+        let frac = (marked as f64 / total as f64).min(1.0);
+        self.alpha = (1.0 - ALPHA_GAIN) * self.alpha + ALPHA_GAIN * frac;
+        if marked > 0 && now >= self.last_ce_cut + srtt.max(1) {
+            self.last_ce_cut = now;
+            let cut = (self.cwnd as f64 * (1.0 - self.alpha.max(frac) / 2.0)) as u64;
+            self.cwnd = cut.max(self.min_window());
+            self.ssthresh = self.cwnd;
+        }
+    }
+
+    fn on_loss(&mut self, now: Micros, sent_at: Micros, srtt: Micros) {
+        if sent_at < self.recovery_until {
+            return;
+        }
+        self.recovery_until = now + srtt.max(1);
+        self.cwnd = ((self.cwnd as f64 * BETA_LOSS) as u64).max(self.min_window());
+        self.ssthresh = self.cwnd;
+    }
+
+    fn on_timeout(&mut self, _now: Micros) {
+        self.ssthresh = (self.cwnd / 2).max(self.min_window());
+        self.cwnd = self.min_window();
+    }
+
+    fn reset(&mut self) {
+        *self = Self::new(self.mss, self.max_window);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slow_start_then_one_cut_per_rtt() {
+        let mut c = Aimd::new(1000, 1 << 20);
+        c.on_ack(0, 16_000, 50, 50, 50);
+        assert_eq!(c.window(), 32_000);
+        c.on_loss(1_000, 900, 100);
+        assert_eq!(c.window(), 22_400);
+        // A second loss of a packet sent before the cut does not cut again.
+        c.on_loss(1_010, 950, 100);
+        assert_eq!(c.window(), 22_400);
+        // Congestion avoidance: about one MSS per window acked.
+        c.on_ack(1_200, 22_400, 50, 50, 50);
+        assert_eq!(c.window(), 23_400);
+    }
+
+    #[test]
+    fn ce_fraction_cuts_in_proportion() {
+        let mut c = Aimd::new(1000, 1 << 20);
+        c.on_ce(1_000, 10, 10, 100);
+        assert!(c.window() < 16_000 && c.window() >= 8_000, "{}", c.window());
+        let w = c.window();
+        c.on_ce(1_050, 10, 10, 100); // within the same RTT: no second cut
+        assert_eq!(c.window(), w);
+    }
+
+    #[test]
+    fn queueing_delay_above_target_cuts_the_window() {
+        let mut c = Aimd::new(1000, 1 << 20);
+        c.on_ack(1_000, 1000, 50 + QUEUE_TARGET_US + 1000, 50, 100);
+        assert!(c.window() < 16_000, "{}", c.window());
+        let w = c.window();
+        c.on_ack(1_010, 1000, 50 + QUEUE_TARGET_US + 1000, 50, 100);
+        assert_eq!(c.window(), w, "one cut per RTT");
+        c.on_ack(1_200, 1000, 60, 50, 100);
+        assert!(c.window() > w, "below target it grows again");
+    }
+
+    #[test]
+    fn timeout_collapses_to_minimum() {
+        let mut c = Aimd::new(1000, 1 << 20);
+        c.on_timeout(5);
+        assert_eq!(c.window(), 2_000);
+        c.reset();
+        assert_eq!(c.window(), 16_000);
+    }
+}

@@ -1,0 +1,327 @@
+//! One path of a connection, as its sender sees it: the PSN sequence, the
+//! packets in flight, RTT and RTO, the congestion window and the pacer.
+
+use std::collections::VecDeque;
+
+use crate::congestion::{aimd::Aimd, Controller};
+use crate::sack;
+use crate::time::{Micros, MS};
+use crate::wire::{AckEntry, SACK_BITS};
+
+/// What a packet carried, so a loss re-queues exactly that.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Frame {
+    Seg { msg: u32, seg: u32 },
+    Rts { msg: u32 },
+    Cts { msg: u32, accepted: u32 },
+    Ping,
+}
+
+#[derive(Clone, Debug)]
+pub struct SentPacket {
+    pub psn: u32,
+    pub frame: Frame,
+    pub bytes: u32,
+    pub sent_at: Micros,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PathState {
+    Active,
+    /// Timed out repeatedly: no new data, probed until it answers.
+    Failed,
+}
+
+/// Smoothed RTT and variance (RFC 6298), in microseconds.
+#[derive(Clone, Copy, Debug)]
+pub struct Rtt {
+    pub srtt: Micros,
+    pub rttvar: Micros,
+    pub min: Micros,
+    has_sample: bool,
+}
+
+impl Rtt {
+    fn new(initial: Micros) -> Self {
+        Self { srtt: initial, rttvar: initial / 2, min: Micros::MAX, has_sample: false }
+    }
+    fn update(&mut self, sample: Micros) {
+        self.min = self.min.min(sample);
+        if !self.has_sample {
+            self.srtt = sample;
+            self.rttvar = sample / 2;
+            self.has_sample = true;
+            return;
+        }
+        let err = self.srtt.abs_diff(sample);
+        self.rttvar = (3 * self.rttvar + err) / 4;
+        self.srtt = (7 * self.srtt + sample) / 8;
+    }
+}
+
+/// What an ACK entry did to a path.
+#[derive(Debug, Default)]
+pub struct AckOutcome {
+    pub acked: Vec<Frame>,
+    pub lost: Vec<Frame>,
+    pub acked_bytes: u64,
+}
+
+#[derive(Debug)]
+pub struct PathTimers {
+    pub min_rto: Micros,
+    pub max_rto: Micros,
+}
+
+#[derive(Debug)]
+pub struct Path {
+    pub index: u8,
+    pub epoch: u16,
+    pub state: PathState,
+    next_psn: u32,
+    pub in_flight: VecDeque<SentPacket>,
+    pub inflight_bytes: u64,
+    pub rtt: Rtt,
+    pub cc: Aimd,
+    /// Consecutive timeouts without an ACK in between.
+    pub backoff: u32,
+    pub last_ack_at: Micros,
+    pub last_send_at: Micros,
+    /// Until then the path had loss or CE: new packets prefer other paths.
+    pub suspect_until: Micros,
+    pub failed_since: Micros,
+    pub next_probe_at: Micros,
+    ce_seen: u32,
+    rcvd_seen: u32,
+    // Pacer: a token bucket refilled at the path's rate, capped at one burst.
+    tokens: f64,
+    tokens_at: Micros,
+    // Statistics.
+    pub pkts_sent: u64,
+    pub retransmits: u64,
+    pub losses: u64,
+    pub ce_echoed: u64,
+    pub tlp_armed: bool,
+    /// Delivery rate, bytes per microsecond (EWMA of samples about an RTT long).
+    pub rate_est: f64,
+    rate_sample_start: Micros,
+    rate_sample_bytes: u64,
+}
+
+/// Bytes the pacer lets out at once: the time slice the driver sleeps in.
+pub const PACING_SLICE: Micros = 200;
+/// Pacing rate over cwnd/srtt: above 1 so pacing never caps a window that fits.
+pub const PACING_GAIN: f64 = 2.0;
+/// Weight lost per unit of CE fraction (alpha): 5% marking gives 0.25.
+pub const STEER_GAIN: f64 = 15.0;
+pub const STEER_MIN: f64 = 0.1;
+/// A suspect path is paced at this fraction of its rate.
+pub const SUSPECT_RATE_FACTOR: f64 = 0.25;
+
+impl Path {
+    pub fn new(index: u8, epoch: u16, mss: u64, max_window: u64, initial_rtt: Micros) -> Self {
+        Self {
+            index,
+            epoch,
+            state: PathState::Active,
+            next_psn: 0,
+            in_flight: VecDeque::new(),
+            inflight_bytes: 0,
+            rtt: Rtt::new(initial_rtt),
+            cc: Aimd::new(mss, max_window),
+            backoff: 0,
+            last_ack_at: 0,
+            last_send_at: 0,
+            suspect_until: 0,
+            failed_since: 0,
+            next_probe_at: 0,
+            ce_seen: 0,
+            rcvd_seen: 0,
+            tokens: 0.0,
+            tokens_at: 0,
+            pkts_sent: 0,
+            retransmits: 0,
+            losses: 0,
+            ce_echoed: 0,
+            tlp_armed: false,
+            rate_est: 0.0,
+            rate_sample_start: 0,
+            rate_sample_bytes: 0,
+        }
+    }
+
+    pub fn rto(&self, t: &PathTimers) -> Micros {
+        let base = (self.rtt.srtt + 4 * self.rtt.rttvar).clamp(t.min_rto, t.max_rto);
+        (base << self.backoff.min(10)).min(t.max_rto)
+    }
+
+    /// Probe timeout for the tail-loss probe: about two RTTs.
+    pub fn pto(&self, t: &PathTimers) -> Micros {
+        (2 * self.rtt.srtt + MS / 4).clamp(t.min_rto / 4, t.max_rto)
+    }
+
+    /// PSNs in flight must stay within the receiver's 256-bit SACK window.
+    pub fn window_room(&self) -> bool {
+        match self.in_flight.front() {
+            Some(oldest) => self.next_psn.wrapping_sub(oldest.psn) < SACK_BITS,
+            None => true,
+        }
+    }
+
+    pub fn cwnd_room(&self, bytes: u64) -> bool {
+        self.inflight_bytes + bytes <= self.cc.window().max(bytes)
+    }
+
+    /// Rate in bytes per microsecond.
+    pub fn pacing_rate(&self, now: Micros, cap_bytes_per_us: f64) -> f64 {
+        let srtt = self.rtt.srtt.max(1) as f64;
+        let mut rate = PACING_GAIN * self.cc.window() as f64 / srtt;
+        if now < self.suspect_until {
+            rate *= SUSPECT_RATE_FACTOR;
+        }
+        rate.min(cap_bytes_per_us)
+    }
+
+    fn refill(&mut self, now: Micros, rate: f64) {
+        let burst = (rate * PACING_SLICE as f64).max(2.0 * 9216.0);
+        let dt = now.saturating_sub(self.tokens_at) as f64;
+        self.tokens = (self.tokens + dt * rate).min(burst);
+        self.tokens_at = now;
+    }
+
+    /// True when the pacer lets `bytes` out now.
+    pub fn pacer_allows(&mut self, now: Micros, bytes: u64, rate: f64) -> bool {
+        self.refill(now, rate);
+        self.tokens >= bytes as f64 || self.tokens >= 0.0 && self.in_flight.is_empty()
+    }
+
+    /// When the pacer will have `bytes` tokens.
+    pub fn pacer_ready_at(&self, now: Micros, bytes: u64, rate: f64) -> Micros {
+        if self.tokens >= bytes as f64 || rate <= 0.0 {
+            return now;
+        }
+        now + ((bytes as f64 - self.tokens) / rate).ceil() as Micros
+    }
+
+    /// Record a packet as sent; returns its PSN and the distance back to the
+    /// oldest PSN still awaited on this path (the receiver's floor).
+    pub fn on_sent(&mut self, now: Micros, frame: Frame, bytes: u32, is_retransmit: bool) -> (u32, u16) {
+        let psn = self.next_psn;
+        let floor_delta = self.in_flight.front().map_or(0, |p| psn.wrapping_sub(p.psn).min(u16::MAX as u32) as u16);
+        self.next_psn = self.next_psn.wrapping_add(1);
+        self.in_flight.push_back(SentPacket { psn, frame, bytes, sent_at: now });
+        self.inflight_bytes += bytes as u64;
+        self.tokens -= bytes as f64;
+        self.last_send_at = now;
+        self.pkts_sent += 1;
+        if is_retransmit {
+            self.retransmits += 1;
+        }
+        self.tlp_armed = true;
+        (psn, floor_delta)
+    }
+
+    /// Apply one ACK entry for this path (same epoch). Packets the entry shows
+    /// received are acked; any unacked packet below the highest received PSN is
+    /// lost (a path is FIFO, so a gap is a loss, not reordering).
+    pub fn on_ack(&mut self, now: Micros, entry: &AckEntry, ack_delay: Micros) -> AckOutcome {
+        let mut out = AckOutcome::default();
+        let highest = sack::sacked(entry).last().unwrap_or(entry.cum.wrapping_sub(1));
+        let is_received = |psn: u32| {
+            let d = psn.wrapping_sub(entry.cum);
+            if d >= 1 << 31 {
+                return true; // below cum
+            }
+            if d == 0 || d > SACK_BITS {
+                return false;
+            }
+            let i = d - 1;
+            entry.sack[(i / 8) as usize] >> (i % 8) & 1 == 1
+        };
+        let mut newest_acked: Option<Micros> = None;
+        let mut keep = VecDeque::with_capacity(self.in_flight.len());
+        for p in self.in_flight.drain(..) {
+            if is_received(p.psn) {
+                out.acked_bytes += p.bytes as u64;
+                newest_acked = Some(newest_acked.map_or(p.sent_at, |t: Micros| t.max(p.sent_at)));
+                out.acked.push(p.frame);
+            } else if highest.wrapping_sub(p.psn) < 1 << 31 && highest != p.psn {
+                self.losses += 1;
+                out.lost.push(p.frame);
+                self.cc.on_loss(now, p.sent_at, self.rtt.srtt);
+                self.suspect_until = now + 8 * self.rtt.srtt.max(100);
+            } else {
+                keep.push_back(p);
+            }
+        }
+        self.in_flight = keep;
+        self.inflight_bytes = self.in_flight.iter().map(|p| p.bytes as u64).sum();
+        if let Some(sent_at) = newest_acked {
+            let sample = now.saturating_sub(sent_at).saturating_sub(ack_delay).max(1);
+            self.rtt.update(sample);
+            self.backoff = 0;
+            self.last_ack_at = now;
+            self.cc.on_ack(now, out.acked_bytes, sample, self.rtt.min, self.rtt.srtt);
+            self.sample_rate(now, out.acked_bytes);
+            self.tlp_armed = !self.in_flight.is_empty();
+        }
+        // CE and received counts are cumulative: take the deltas.
+        let ce = entry.ce.wrapping_sub(self.ce_seen);
+        let rcvd = entry.rcvd.wrapping_sub(self.rcvd_seen);
+        if rcvd < 1 << 31 && rcvd > 0 {
+            self.ce_seen = entry.ce;
+            self.rcvd_seen = entry.rcvd;
+            if ce > 0 && ce <= rcvd {
+                self.ce_echoed += ce as u64;
+                self.cc.on_ce(now, ce, rcvd, self.rtt.srtt);
+                self.suspect_until = now + 8 * self.rtt.srtt.max(100);
+            } else {
+                self.cc.on_ce(now, 0, rcvd, self.rtt.srtt);
+            }
+        }
+        out
+    }
+
+    fn sample_rate(&mut self, now: Micros, acked: u64) {
+        if self.rate_sample_start == 0 {
+            self.rate_sample_start = now;
+            return;
+        }
+        self.rate_sample_bytes += acked;
+        let elapsed = now.saturating_sub(self.rate_sample_start);
+        if elapsed >= self.rtt.srtt.max(100) {
+            let r = self.rate_sample_bytes as f64 / elapsed as f64;
+            self.rate_est = if self.rate_est == 0.0 { r } else { 0.75 * self.rate_est + 0.25 * r };
+            self.rate_sample_start = now;
+            self.rate_sample_bytes = 0;
+        }
+    }
+
+    /// How much of a fair share new packets give this path: 1 unmarked, down to
+    /// STEER_MIN as its CE fraction grows (MetaRoCE steers away from marked paths).
+    pub fn steer_weight(&self) -> f64 {
+        (1.0 - STEER_GAIN * self.cc.alpha()).clamp(STEER_MIN, 1.0)
+    }
+
+    /// Everything in flight is declared lost (a timeout, a failed path).
+    pub fn take_all_in_flight(&mut self) -> Vec<Frame> {
+        self.inflight_bytes = 0;
+        self.in_flight.drain(..).map(|p| p.frame).collect()
+    }
+
+    /// A new source port: a fresh PSN space the receiver tells apart by epoch.
+    pub fn rotate(&mut self) -> Vec<Frame> {
+        let frames = self.take_all_in_flight();
+        self.epoch = self.epoch.wrapping_add(1);
+        self.next_psn = 0;
+        self.ce_seen = 0;
+        self.rcvd_seen = 0;
+        self.backoff = 0;
+        self.cc.reset();
+        frames
+    }
+
+    pub fn oldest_sent_at(&self) -> Option<Micros> {
+        self.in_flight.front().map(|p| p.sent_at)
+    }
+}

@@ -1,0 +1,390 @@
+//! The protocol core under a deterministic impairment model: every test is a
+//! seeded replay of loss, reordering, duplication, CE marks and timers.
+
+mod util;
+
+use metaroce_core::time::{Micros, MS, SEC};
+use metaroce_core::{Completion, Config, Error, OpKind, RecvBuf, SendBuf, ANY_PEER};
+use util::{four_links, pattern, Link, Sim};
+
+fn cfg() -> Config {
+    Config { paths: 8, ..Config::default() }
+}
+
+#[derive(Debug, Default)]
+struct Outcome {
+    sends: Vec<Completion>,
+    recvs: Vec<Completion>,
+    took: Micros,
+}
+
+/// Send `sizes` from endpoint `from` to `to` (tag = index), with receives posted
+/// first; run until all complete. Verifies data, lengths and exactly-once.
+fn transfer(sim: &mut Sim, from: usize, to: usize, sizes: &[usize], limit: Micros) -> Outcome {
+    let dst = sim.eps[from].peer(sim.addrs[to]);
+    let src = sim.eps[to].peer(sim.addrs[from]);
+    for (i, &n) in sizes.iter().enumerate() {
+        sim.eps[to].recv(src, RecvBuf::owned(n), i as u64, 0, true, 1000 + i as u64, true).unwrap();
+    }
+    let t0 = sim.now;
+    for (i, &n) in sizes.iter().enumerate() {
+        sim.eps[from].send(sim.now, dst, SendBuf::owned(pattern(i as u64, n)), i as u64, true, None, i as u64, true).unwrap();
+    }
+    let mut out = Outcome::default();
+    let total = sizes.len();
+    let done = sim.run_until(limit, |s| {
+        while let Some(c) = s.eps[from].poll_completion() {
+            out.sends.push(c);
+        }
+        while let Some(c) = s.eps[to].poll_completion() {
+            out.recvs.push(c);
+        }
+        out.sends.len() >= total && out.recvs.len() >= total
+    });
+    out.took = sim.now - t0;
+    assert!(
+        done,
+        "not done after {limit} us: {} of {total} sends, {} recvs; counters {:?} / {:?}",
+        out.sends.len(),
+        out.recvs.len(),
+        sim.eps[from].counters(),
+        sim.eps[to].counters()
+    );
+    let mut seen = vec![false; total];
+    for c in &mut out.recvs {
+        assert_eq!(c.err, None, "{c:?}");
+        let i = c.tag as usize;
+        assert!(!seen[i], "message {i} delivered twice");
+        seen[i] = true;
+        assert_eq!(c.len as usize, sizes[i]);
+        let data = c.buf.take().unwrap().into_vec().unwrap();
+        assert!(data == pattern(i as u64, sizes[i]), "message {i} ({} bytes) corrupted", sizes[i]);
+    }
+    for c in &out.sends {
+        assert_eq!(c.err, None, "{c:?}");
+        assert_eq!(c.kind, OpKind::Send);
+    }
+    out
+}
+
+fn goodput_mbps(bytes: usize, took: Micros) -> f64 {
+    bytes as f64 * 8.0 / took as f64
+}
+
+#[test]
+fn every_size_arrives_intact_without_retransmits() {
+    let mss = cfg().mss() as usize;
+    let sizes = [0, 1, mss - 1, mss, mss + 1, 64 << 10, (64 << 10) + 1, 1 << 20, 8 << 20];
+    let mut sim = Sim::two(cfg(), four_links(20, 31.25), 1);
+    transfer(&mut sim, 0, 1, &sizes, 10 * SEC);
+    let (a, b) = (sim.eps[0].counters(), sim.eps[1].counters());
+    assert_eq!(a.retransmits, 0, "{a:?}");
+    assert_eq!(b.dup_rcvd, 0, "{b:?}");
+    assert_eq!(a.rtos, 0);
+}
+
+#[test]
+fn lossless_goodput_fills_four_links() {
+    // 4 x 250 Mbit/s, 20 us one way: the payload rate of the links is the capacity.
+    let mut sim = Sim::two(cfg(), four_links(20, 31.25), 2);
+    let sizes = vec![1 << 20; 32];
+    let out = transfer(&mut sim, 0, 1, &sizes, 10 * SEC);
+    let g = goodput_mbps(32 << 20, out.took);
+    let mss = cfg().mss() as f64;
+    let capacity = 1000.0 * mss / (mss + 36.0 + 16.0 + 4.0);
+    println!("lossless goodput {g:.0} Mbit/s of {capacity:.0} (ratio {:.3})", g / capacity);
+    assert!(g >= 0.9 * capacity, "goodput {g:.0} Mbit/s < 0.9 x {capacity:.0}");
+    let a = sim.eps[0].counters();
+    let b = sim.eps[1].counters();
+    assert!((b.dup_rcvd as f64) <= 0.01 * a.pkts_sent as f64, "spurious {} of {}", b.dup_rcvd, a.pkts_sent);
+}
+
+fn lossy(loss: f64, seed: u64) -> Sim {
+    let mut links = four_links(20, 31.25);
+    for l in &mut links {
+        l.loss = loss;
+    }
+    Sim::two(cfg(), links, seed)
+}
+
+#[test]
+fn random_loss_in_both_directions_keeps_goodput() {
+    let sizes = vec![1 << 20; 24];
+    let mut base = lossy(0.0, 3);
+    let lossless = transfer(&mut base, 0, 1, &sizes, 10 * SEC).took;
+    for (loss, floor) in [(0.01, 0.90), (0.10, 0.5)] {
+        let mut sim = lossy(loss, 4);
+        let out = transfer(&mut sim, 0, 1, &sizes, 60 * SEC);
+        let ratio = lossless as f64 / out.took as f64;
+        println!("loss {loss}: goodput ratio to lossless {ratio:.3}; {:?}", sim.eps[0].counters());
+        assert!(ratio >= floor, "loss {loss}: ratio {ratio:.3} < {floor}");
+    }
+}
+
+#[test]
+fn bursty_loss_is_recovered() {
+    let mut links = four_links(20, 31.25);
+    for l in &mut links {
+        // About 1% average: bursts of ~5 packets lost at 80%.
+        l.burst_enter = 0.0025;
+        l.burst_leave = 0.2;
+        l.burst_loss = 0.8;
+    }
+    let mut sim = Sim::two(cfg(), links, 5);
+    transfer(&mut sim, 0, 1, &vec![256 << 10; 32], 60 * SEC);
+}
+
+#[test]
+fn reordering_across_paths_and_duplicates_are_harmless() {
+    let mut links = vec![Link::new(10, 0.0), Link::new(80, 0.0), Link::new(300, 0.0), Link::new(1200, 0.0)];
+    for l in &mut links {
+        l.dup = 0.05;
+    }
+    let mut sim = Sim::two(cfg(), links, 6);
+    let mss = cfg().mss() as usize;
+    let sizes: Vec<usize> = (0..200).map(|i| (i * 977) % (3 * mss) + (i % 7) * 70_000).collect();
+    transfer(&mut sim, 0, 1, &sizes, 60 * SEC);
+    let b = sim.eps[1].counters();
+    assert!(b.dup_rcvd > 0, "duplicates must be counted: {b:?}");
+    // Reordering across paths is not loss: nothing was lost, so nothing needed resending.
+    let a = sim.eps[0].counters();
+    assert!(a.retransmits <= a.tlps + a.rtos * 8, "{a:?}");
+}
+
+#[test]
+fn ce_marks_are_echoed_and_steer_traffic_away() {
+    let mut links = four_links(20, 31.25);
+    links[2].ce = 0.05;
+    let mut sim = Sim::two(cfg(), links, 7);
+    transfer(&mut sim, 0, 1, &vec![1 << 20; 32], 20 * SEC);
+    let b = sim.eps[1].counters();
+    assert!(b.ce_rcvd > 0);
+    let bytes: Vec<u64> = sim.links.iter().map(|l| l.bytes[0]).collect();
+    let total: u64 = bytes.iter().sum();
+    println!("bytes per link with CE on link 2: {bytes:?}");
+    assert!((bytes[2] as f64) < 0.5 * total as f64 / 4.0, "marked link share {:.3}", bytes[2] as f64 / total as f64);
+}
+
+#[test]
+fn a_dead_link_is_routed_around_and_readmitted() {
+    let mut sim = Sim::two(Config { rotate_after: 10 * SEC, ..cfg() }, four_links(20, 31.25), 8);
+    let dst = sim.eps[0].peer(sim.addrs[1]);
+    let src = sim.eps[1].peer(sim.addrs[0]);
+    let n = 48;
+    for i in 0..n {
+        sim.eps[1].recv(src, RecvBuf::owned(1 << 20), i, 0, true, i, true).unwrap();
+    }
+    for i in 0..n {
+        sim.eps[0].send(sim.now, dst, SendBuf::owned(pattern(i, 1 << 20)), i, true, None, i, true).unwrap();
+    }
+    let mut got = 0;
+    sim.run_until(40 * MS, |_| false);
+    sim.links[1].down = true;
+    sim.run_until(300 * MS, |s| {
+        while s.eps[1].poll_completion().is_some() {
+            got += 1;
+        }
+        false
+    });
+    assert!(sim.eps[0].counters().path_failures > 0, "{:?}", sim.eps[0].counters());
+    sim.links[1].down = false;
+    let before = sim.links[1].delivered[0];
+    sim.run_until(20 * SEC, |s| {
+        while s.eps[1].poll_completion().is_some() {
+            got += 1;
+        }
+        got >= n
+    });
+    assert_eq!(got, n);
+    let c = sim.eps[0].counters();
+    assert!(c.path_readmissions > 0, "{c:?}");
+    assert!(sim.links[1].delivered[0] > before, "the recovered link carried nothing");
+}
+
+#[test]
+fn receiver_not_ready_waits_for_credit_without_timeouts() {
+    let mut sim = Sim::two(Config { credit_window: 1 << 20, ..cfg() }, four_links(20, 31.25), 9);
+    let dst = sim.eps[0].peer(sim.addrs[1]);
+    let src = sim.eps[1].peer(sim.addrs[0]);
+    let n = 64u64; // 64 x 64 KiB = 4 MiB of eager data into a 1 MiB credit window
+    for i in 0..n {
+        sim.eps[0].send(sim.now, dst, SendBuf::owned(pattern(i, 64 << 10)), i, true, None, i, true).unwrap();
+    }
+    sim.run_until(2 * SEC, |_| false);
+    let a = sim.eps[0].counters();
+    assert!(a.rnr_waits > 0, "{a:?}");
+    assert_eq!(a.rtos, 0, "waiting for the receiver is not loss: {a:?}");
+    assert!(sim.eps[1].memory_bytes() <= 2 << 20, "pool {} bytes", sim.eps[1].memory_bytes());
+    let mut got = 0;
+    for i in 0..n {
+        sim.eps[1].recv(src, RecvBuf::owned(64 << 10), i, 0, true, i, true).unwrap();
+    }
+    let ok = sim.run_until(5 * SEC, |s| {
+        while let Some(c) = s.eps[1].poll_completion() {
+            assert_eq!(c.buf.unwrap().into_vec().unwrap(), pattern(c.tag, 64 << 10));
+            got += 1;
+        }
+        got == n
+    });
+    assert!(ok, "{got} of {n}: {:?} {:?}", sim.eps[0].counters(), sim.eps[1].counters());
+}
+
+#[test]
+fn a_silent_peer_fails_the_sends_with_a_timeout() {
+    let mut sim = Sim::two(Config { abort_timeout: 2 * SEC, ..cfg() }, four_links(20, 31.25), 10);
+    let dst = sim.eps[0].peer(sim.addrs[1]);
+    let src = sim.eps[1].peer(sim.addrs[0]);
+    sim.eps[1].recv(src, RecvBuf::owned(4), 0, 0, true, 0, true).unwrap();
+    sim.eps[0].send(sim.now, dst, SendBuf::owned(vec![1; 4]), 0, true, None, 0, true).unwrap();
+    sim.run_until(100 * MS, |_| false);
+    sim.silent[1] = true;
+    sim.eps[0].send(sim.now, dst, SendBuf::owned(vec![1; 100_000]), 1, true, None, 7, true).unwrap();
+    let mut err = None;
+    let t0 = sim.now;
+    sim.run_until(10 * SEC, |s| {
+        while let Some(c) = s.eps[0].poll_completion() {
+            if c.context == 7 {
+                err = Some(c.err);
+            }
+        }
+        err.is_some()
+    });
+    assert_eq!(err, Some(Some(Error::TimedOut)));
+    let took = sim.now - t0;
+    // Measured from the last acknowledged progress, 100 ms before the silence.
+    assert!((1800 * MS..3 * SEC).contains(&took), "abort after {took} us");
+}
+
+#[test]
+fn a_restarted_peer_is_a_new_connection() {
+    let mut sim = Sim::two(cfg(), four_links(20, 31.25), 11);
+    transfer(&mut sim, 0, 1, &[100, 5000], SEC);
+    // Endpoint 1 restarts at the same address: new incarnation, no state.
+    sim.eps[1] = metaroce_core::Endpoint::new(cfg(), 999).unwrap();
+    sim.epochs[1] = vec![0; 8];
+    let dst = sim.eps[0].peer(sim.addrs[1]);
+    sim.eps[0].send(sim.now, dst, SendBuf::owned(vec![5; 10]), 9, true, None, 77, true).unwrap();
+    let mut err = None;
+    sim.run_until(SEC, |s| {
+        while let Some(c) = s.eps[0].poll_completion() {
+            err = Some(c.err);
+        }
+        err.is_some()
+    });
+    assert_eq!(err, Some(Some(Error::ConnReset)), "the old connection's send fails with a reset");
+    transfer(&mut sim, 0, 1, &[10, 100_000], 2 * SEC);
+}
+
+#[test]
+fn both_sides_opening_at_once_make_one_connection() {
+    let mut sim = Sim::two(cfg(), four_links(20, 31.25), 12);
+    let p01 = sim.eps[0].peer(sim.addrs[1]);
+    let p10 = sim.eps[1].peer(sim.addrs[0]);
+    sim.eps[0].recv(p01, RecvBuf::owned(10), 1, 0, true, 1, true).unwrap();
+    sim.eps[1].recv(p10, RecvBuf::owned(10), 0, 0, true, 1, true).unwrap();
+    sim.eps[0].send(sim.now, p01, SendBuf::owned(vec![1; 10]), 0, true, None, 2, true).unwrap();
+    sim.eps[1].send(sim.now, p10, SendBuf::owned(vec![2; 10]), 1, true, None, 2, true).unwrap();
+    let mut n = [0, 0];
+    assert!(sim.run_until(SEC, |s| {
+        for (ep, count) in s.eps.iter_mut().zip(n.iter_mut()) {
+            while let Some(c) = ep.poll_completion() {
+                assert_eq!(c.err, None);
+                *count += 1;
+            }
+        }
+        n == [2, 2]
+    }));
+    assert_eq!(sim.eps[0].conns_active(), 1);
+    assert_eq!(sim.eps[1].conns_active(), 1);
+}
+
+#[test]
+fn matching_semantics() {
+    let mut sim = Sim::new(3, cfg(), four_links(20, 0.0), 13);
+    let to2_from0 = sim.eps[0].peer(sim.addrs[2]);
+    let to2_from1 = sim.eps[1].peer(sim.addrs[2]);
+    let from0 = sim.eps[2].peer(sim.addrs[0]);
+    // Same tag twice from one sender: matched in send order (FI_ORDER_SAS).
+    sim.eps[0].send(sim.now, to2_from0, SendBuf::owned(b"first".to_vec()), 5, true, None, 1, true).unwrap();
+    sim.eps[0].send(sim.now, to2_from0, SendBuf::owned(b"second".to_vec()), 5, true, None, 2, true).unwrap();
+    // Untagged messages live in their own space.
+    sim.eps[1].send(sim.now, to2_from1, SendBuf::owned(b"untagged".to_vec()), 0, false, Some(42), 3, true).unwrap();
+    // Truncation: 100 KiB (rendezvous) into 10 bytes; 3 KiB (eager) into 2 bytes.
+    sim.eps[1].send(sim.now, to2_from1, SendBuf::owned(pattern(1, 100 << 10)), 9, true, None, 4, true).unwrap();
+    sim.eps[1].send(sim.now, to2_from1, SendBuf::owned(pattern(2, 3 << 10)), 10, true, None, 5, true).unwrap();
+    sim.run_until(100 * MS, |_| false);
+    let e = &mut sim.eps[2];
+    // Peek finds without taking; claim holds it for a context.
+    let p = e.peek(ANY_PEER, 5, 0, true, None, false).unwrap();
+    assert_eq!((p.len, p.peer), (5, from0));
+    assert_eq!(e.peek(ANY_PEER, 6, 0, true, None, false), Err(Error::NoMsg));
+    e.peek(ANY_PEER, 5, 0, true, Some(500), false).unwrap();
+    // The claimed one is invisible: the next match for tag 5 is "second".
+    e.recv(ANY_PEER, RecvBuf::owned(10), 5, 0, true, 600, true).unwrap();
+    e.recv_claimed(500, Some(RecvBuf::owned(10)), true).unwrap();
+    e.recv(ANY_PEER, RecvBuf::owned(10), 0, 0, false, 700, true).unwrap();
+    e.recv(ANY_PEER, RecvBuf::owned(10), 9, 0, true, 800, true).unwrap();
+    e.recv(ANY_PEER, RecvBuf::owned(2), 0x10, 0xff, true, 900, true).unwrap(); // ignore mask
+                                                                               // A receive that matches nothing can be cancelled.
+    e.recv(ANY_PEER, RecvBuf::owned(10), 77, 0, true, 1000, true).unwrap();
+    e.cancel(1000).unwrap();
+    assert_eq!(e.cancel(1000), Err(Error::NoEntry));
+    sim.run_until(200 * MS, |_| false);
+    let mut got = std::collections::HashMap::new();
+    while let Some(c) = sim.eps[2].poll_completion() {
+        got.insert(c.context, c);
+    }
+    let mut keys: Vec<u64> = got.keys().copied().collect();
+    keys.sort();
+    println!("completions: {keys:?} {:?}", sim.eps[2].counters());
+    let data = |c: &mut Completion| {
+        let n = c.len as usize;
+        c.buf.take().unwrap().into_vec().unwrap()[..n].to_vec()
+    };
+    assert_eq!(data(got.get_mut(&500).unwrap()), b"first");
+    assert_eq!(data(got.get_mut(&600).unwrap()), b"second");
+    let u = got.get_mut(&700).unwrap();
+    assert_eq!((u.cq_data, u.tagged), (Some(42), false));
+    assert_eq!(data(u), b"untagged");
+    let t = &got[&800];
+    assert_eq!((t.err, t.len, t.olen), (Some(Error::Truncated), 10, (100 << 10) - 10));
+    let t = &got[&900];
+    assert_eq!((t.err, t.len, t.olen, t.tag), (Some(Error::Truncated), 2, (3 << 10) - 2, 10));
+    assert_eq!(got[&1000].err, Some(Error::Canceled));
+    // The truncated rendezvous sender still completes.
+    let mut sends = 0;
+    while let Some(c) = sim.eps[1].poll_completion() {
+        assert_eq!(c.err, None);
+        sends += 1;
+    }
+    assert_eq!(sends, 3);
+}
+
+#[test]
+fn garbage_and_altered_replays_are_counted_drops() {
+    let mut sim = Sim::two(cfg(), four_links(20, 31.25), 14);
+    let dst = sim.eps[0].peer(sim.addrs[1]);
+    let src = sim.eps[1].peer(sim.addrs[0]);
+    let n = 16u64;
+    for i in 0..n {
+        sim.eps[1].recv(src, RecvBuf::owned(200_000), i, 0, true, i, true).unwrap();
+        sim.eps[0].send(sim.now, dst, SendBuf::owned(pattern(i, 200_000)), i, true, None, i, true).unwrap();
+    }
+    let mut got = 0;
+    let from = sim.addrs[0];
+    assert!(sim.run_until(20 * SEC, |s| {
+        // Random datagrams at the receiver's port while the transfer runs.
+        if s.rng.below(20) == 0 {
+            let len = (s.rng.below(1600) + 1) as usize;
+            let junk: Vec<u8> = (0..len).map(|_| s.rng.next_u64() as u8).collect();
+            s.inject(1, from, junk);
+        }
+        while let Some(c) = s.eps[1].poll_completion() {
+            assert_eq!(c.buf.unwrap().into_vec().unwrap(), pattern(c.tag, 200_000), "corrupted");
+            got += 1;
+        }
+        got == n
+    }));
+    let c = sim.eps[1].counters();
+    assert!(c.drops_malformed + c.drops_crc > 0, "{c:?}");
+}

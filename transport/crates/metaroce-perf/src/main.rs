@@ -1,0 +1,333 @@
+//! metaroce-perf: bandwidth and latency between two hosts over the MetaRoCE
+//! transport, printed like perftest's ib_write_bw (or as JSON).
+//!
+//!   metaroce-perf server [--config K=V,...] [--once]
+//!   metaroce-perf client SERVER [--mode bw|lat] [--size BYTES] [--duration SECONDS]
+//!                        [--iters N] [--window N] [--config K=V,...] [--json]
+//!
+//! SERVER is the address the server prints (udp://IP:PORT or IP:PORT).
+
+use std::collections::HashMap;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use metaroce::{addr, Completion, OpKind, RecvBuf, SendBuf, Transport, ANY_PEER};
+
+const TAG_HELLO: u64 = 0xC0DE_0001;
+const TAG_READY: u64 = 0xC0DE_0002;
+const TAG_END: u64 = 0xC0DE_0003;
+const TAG_STATS: u64 = 0xC0DE_0004;
+const TAG_DATA: u64 = 0xDA7A;
+const TAG_PONG: u64 = 0xB0B0;
+const CTRL_LEN: usize = 512;
+
+#[derive(Debug)]
+struct Args {
+    role: String,
+    server: Option<String>,
+    mode: String,
+    size: usize,
+    duration: f64,
+    iters: usize,
+    window: usize,
+    config: Option<String>,
+    json: bool,
+    once: bool,
+}
+
+fn usage() -> String {
+    "usage: metaroce-perf server [--config K=V,...] [--once]\n       metaroce-perf client SERVER [--mode bw|lat] [--size BYTES] [--duration SECONDS] [--iters N] [--window N] [--config K=V,...] [--json]".into()
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut it = std::env::args().skip(1);
+    let role = it.next().ok_or_else(usage)?;
+    if role != "server" && role != "client" {
+        return Err(format!("unknown role {role:?}: server or client\n{}", usage()));
+    }
+    let mut a = Args {
+        role,
+        server: None,
+        mode: "bw".into(),
+        size: 1 << 20,
+        duration: 5.0,
+        iters: 1000,
+        window: 16,
+        config: None,
+        json: false,
+        once: false,
+    };
+    while let Some(k) = it.next() {
+        let mut val = |name: &str| it.next().ok_or_else(|| format!("{name} needs a value"));
+        match k.as_str() {
+            "--mode" => {
+                a.mode = val("--mode")?;
+                if a.mode != "bw" && a.mode != "lat" {
+                    return Err(format!("--mode {}: must be bw or lat", a.mode));
+                }
+            }
+            "--size" => a.size = val("--size")?.parse().map_err(|_| "--size: bytes, e.g. 1048576".to_string())?,
+            "--duration" => a.duration = val("--duration")?.parse().map_err(|_| "--duration: seconds, e.g. 5".to_string())?,
+            "--iters" => a.iters = val("--iters")?.parse().map_err(|_| "--iters: a count".to_string())?,
+            "--window" => {
+                a.window = val("--window")?.parse().map_err(|_| "--window: a count".to_string())?;
+                if a.window == 0 || a.window > 1024 {
+                    return Err("--window: 1..1024 messages in flight".into());
+                }
+            }
+            "--config" => a.config = Some(val("--config")?),
+            "--json" => a.json = true,
+            "--once" => a.once = true,
+            s if !s.starts_with('-') && a.role == "client" && a.server.is_none() => a.server = Some(s.to_string()),
+            s => return Err(format!("unknown argument {s:?}\n{}", usage())),
+        }
+    }
+    if a.size > 1 << 30 {
+        return Err(format!("--size {}: at most 1 GiB", a.size));
+    }
+    if a.role == "client" && a.server.is_none() {
+        return Err(format!("client needs the SERVER address\n{}", usage()));
+    }
+    Ok(a)
+}
+
+fn wait_one(
+    t: &Transport,
+    pending: &mut Vec<Completion>,
+    pred: impl Fn(&Completion) -> bool,
+    timeout: Duration,
+) -> Result<Completion, String> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(i) = pending.iter().position(&pred) {
+            return Ok(pending.remove(i));
+        }
+        if Instant::now() > deadline {
+            return Err(format!("timed out after {timeout:?} (counters: {:?})", t.counters().map(|c| c.0)));
+        }
+        t.wait(Some(Duration::from_millis(20))).map_err(|e| format!("{e:?}"))?;
+        pending.extend(t.poll(256).map_err(|e| format!("{e:?}"))?);
+    }
+}
+
+fn ctrl(t: &Transport, peer: u64, tag: u64, text: &str) -> Result<(), String> {
+    t.send(peer, SendBuf::owned(text.as_bytes().to_vec()), tag, true, None, 0, false).map_err(|e| format!("send: {e:?}"))
+}
+
+fn text(c: Completion) -> String {
+    let n = c.len as usize;
+    String::from_utf8_lossy(&c.buf.and_then(|b| b.into_vec()).unwrap_or_default()[..n]).into_owned()
+}
+
+fn kv(s: &str) -> HashMap<String, String> {
+    s.split_whitespace().filter_map(|p| p.split_once('=')).map(|(k, v)| (k.to_string(), v.to_string())).collect()
+}
+
+fn server(a: &Args) -> Result<(), String> {
+    let t = Transport::open(a.config.as_deref())?;
+    println!("metaroce-perf server listening on {}", addr::format(&t.local_addr()));
+    let mut pending = Vec::new();
+    loop {
+        t.recv(ANY_PEER, RecvBuf::owned(CTRL_LEN), TAG_HELLO, 0, true, 1, true).map_err(|e| format!("{e:?}"))?;
+        let hello = wait_one(&t, &mut pending, |c| c.kind == OpKind::Recv && c.tag == TAG_HELLO, Duration::from_secs(365 * 86400))?;
+        let peer = hello.peer;
+        let p = kv(&text(hello));
+        let size: usize = p.get("size").and_then(|s| s.parse().ok()).unwrap_or(0);
+        let window: usize = p.get("window").and_then(|s| s.parse().ok()).unwrap_or(16).clamp(1, 1024);
+        let lat = p.get("mode").map(|m| m == "lat").unwrap_or(false);
+        let (c0, _) = t.counters().map_err(|e| format!("{e:?}"))?;
+        let mut posted = 0u64;
+        let post = |ctx: u64| t.recv(peer, RecvBuf::owned(size), TAG_DATA, 0, true, ctx, true).map_err(|e| format!("{e:?}"));
+        for _ in 0..if lat { 1 } else { window } {
+            post(100 + posted)?;
+            posted += 1;
+        }
+        t.recv(peer, RecvBuf::owned(CTRL_LEN), TAG_END, 0, true, 2, true).map_err(|e| format!("{e:?}"))?;
+        ctrl(&t, peer, TAG_READY, "ready")?;
+        let mut bytes = 0u64;
+        loop {
+            let c = wait_one(&t, &mut pending, |c| c.kind == OpKind::Recv, Duration::from_secs(60))?;
+            if c.tag == TAG_END {
+                break;
+            }
+            if let Some(e) = c.err {
+                return Err(format!("receive failed: {e:?}"));
+            }
+            bytes += c.len;
+            if lat {
+                t.send(peer, SendBuf::owned(vec![0x5a; size]), TAG_PONG, true, None, 0, false).map_err(|e| format!("{e:?}"))?;
+            }
+            post(100 + posted)?;
+            posted += 1;
+        }
+        let _ = t.cancel(100 + posted - 1);
+        for i in 0..posted {
+            let _ = t.cancel(100 + i);
+        }
+        let (c1, _) = t.counters().map_err(|e| format!("{e:?}"))?;
+        let stats = format!(
+            "bytes={bytes} dup={} ce={} gaps={} drops={}",
+            c1.dup_rcvd - c0.dup_rcvd,
+            c1.ce_rcvd - c0.ce_rcvd,
+            c1.gaps_seen - c0.gaps_seen,
+            (c1.drops_crc + c1.drops_malformed + c1.drops_unknown_conn) - (c0.drops_crc + c0.drops_malformed + c0.drops_unknown_conn)
+        );
+        ctrl(&t, peer, TAG_STATS, &stats)?;
+        pending.retain(|c| c.kind != OpKind::Recv || c.err.is_none());
+        if a.once {
+            std::thread::sleep(Duration::from_millis(100));
+            t.close();
+            return Ok(());
+        }
+    }
+}
+
+fn percentile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    sorted[((sorted.len() - 1) as f64 * q).round() as usize]
+}
+
+fn client(a: &Args) -> Result<bool, String> {
+    let server = addr::parse(a.server.as_deref().unwrap()).ok_or_else(|| format!("SERVER {:?}: expected udp://IP:PORT", a.server))?;
+    let cfg = match &a.config {
+        Some(c) => c.clone(),
+        None => String::new(),
+    };
+    let t = Transport::open(Some(&cfg))?;
+    let peer = t.peer(server).map_err(|e| format!("{e:?}"))?;
+    let mut pending = Vec::new();
+    t.recv(peer, RecvBuf::owned(CTRL_LEN), TAG_READY, 0, true, 1, true).map_err(|e| format!("{e:?}"))?;
+    ctrl(&t, peer, TAG_HELLO, &format!("mode={} size={} window={}", a.mode, a.size, a.window))?;
+    wait_one(&t, &mut pending, |c| c.kind == OpKind::Recv && c.tag == TAG_READY, Duration::from_secs(10))
+        .map_err(|e| format!("no answer from the server at {server}: {e}"))?;
+    let (c0, _) = t.counters().map_err(|e| format!("{e:?}"))?;
+    let payload = vec![0xa5u8; a.size];
+    let start = Instant::now();
+    let deadline = start + Duration::from_secs_f64(a.duration);
+    let mut msgs = 0u64;
+    let mut lat_us: Vec<f64> = Vec::new();
+    if a.mode == "bw" {
+        let mut inflight = 0usize;
+        while Instant::now() < deadline {
+            while inflight < a.window {
+                t.send(peer, SendBuf::owned(payload.clone()), TAG_DATA, true, None, 10, true).map_err(|e| format!("{e:?}"))?;
+                inflight += 1;
+            }
+            let c = wait_one(&t, &mut pending, |c| c.kind == OpKind::Send && c.context == 10, Duration::from_secs(30))?;
+            if let Some(e) = c.err {
+                return Err(format!("send failed: {e:?}"));
+            }
+            inflight -= 1;
+            msgs += 1;
+        }
+        while inflight > 0 {
+            wait_one(&t, &mut pending, |c| c.kind == OpKind::Send && c.context == 10, Duration::from_secs(30))?;
+            inflight -= 1;
+            msgs += 1;
+        }
+    } else {
+        for _ in 0..a.iters {
+            if Instant::now() > deadline + Duration::from_secs(60) {
+                break;
+            }
+            t.recv(peer, RecvBuf::owned(a.size), TAG_PONG, 0, true, 20, true).map_err(|e| format!("{e:?}"))?;
+            let t0 = Instant::now();
+            t.send(peer, SendBuf::owned(payload.clone()), TAG_DATA, true, None, 0, false).map_err(|e| format!("{e:?}"))?;
+            wait_one(&t, &mut pending, |c| c.kind == OpKind::Recv && c.tag == TAG_PONG, Duration::from_secs(30))?;
+            lat_us.push(t0.elapsed().as_secs_f64() * 1e6 / 2.0);
+            msgs += 1;
+        }
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let (c1, io) = t.counters().map_err(|e| format!("{e:?}"))?;
+    let paths = t.path_stats(peer).map_err(|e| format!("{e:?}"))?;
+    t.recv(peer, RecvBuf::owned(CTRL_LEN), TAG_STATS, 0, true, 3, true).map_err(|e| format!("{e:?}"))?;
+    ctrl(&t, peer, TAG_END, "end")?;
+    let stats = kv(&text(wait_one(&t, &mut pending, |c| c.kind == OpKind::Recv && c.tag == TAG_STATS, Duration::from_secs(10))?));
+    let bytes = msgs * a.size as u64;
+    let gbps = bytes as f64 * 8.0 / secs / 1e9;
+    let sent = c1.pkts_sent - c0.pkts_sent;
+    let retx = c1.retransmits - c0.retransmits;
+    let spurious: u64 = stats.get("dup").and_then(|s| s.parse().ok()).unwrap_or(0);
+    let ce: u64 = stats.get("ce").and_then(|s| s.parse().ok()).unwrap_or(0);
+    lat_us.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    if a.json {
+        let path_json: Vec<String> = paths
+            .iter()
+            .map(|(port, p)| {
+                format!(
+                    "{{\"src_port\":{port},\"srtt_us\":{},\"cwnd\":{},\"pkts_sent\":{},\"retransmits\":{},\"failed\":{}}}",
+                    p.srtt_us, p.cwnd, p.pkts_sent, p.retransmits, p.failed
+                )
+            })
+            .collect();
+        println!(
+            "{{\"mode\":\"{}\",\"size\":{},\"messages\":{msgs},\"bytes\":{bytes},\"seconds\":{secs:.6},\"goodput_gbps\":{gbps:.6},\"packets_sent\":{sent},\"retransmits\":{retx},\"spurious_retransmits\":{spurious},\"ce_marks\":{ce},\"rtos\":{},\"lat_p50_us\":{:.2},\"lat_p99_us\":{:.2},\"tx_dropped_local\":{},\"sock_rcvbuf\":{},\"sock_sndbuf\":{},\"paths\":[{}]}}",
+            a.mode,
+            a.size,
+            c1.rtos - c0.rtos,
+            percentile(&lat_us, 0.5),
+            percentile(&lat_us, 0.99),
+            io.tx_dropped_local,
+            io.rcvbuf,
+            io.sndbuf,
+            path_json.join(",")
+        );
+    } else {
+        println!("---------------------------------------------------------------------------------------");
+        println!("                    MetaRoCE {} test (metaroce-perf)", if a.mode == "bw" { "bandwidth" } else { "latency" });
+        println!(
+            " Paths: {}   Server: {}   Socket buffers: rcv {} / snd {} bytes",
+            paths.len(),
+            addr::format(&server),
+            io.rcvbuf,
+            io.sndbuf
+        );
+        println!("---------------------------------------------------------------------------------------");
+        if a.mode == "bw" {
+            println!(" #bytes     #iterations    BW average[Gb/sec]   MsgRate[Mpps]   retransmits   spurious   CE");
+            println!(" {:<10} {:<14} {:<20.3} {:<15.6} {:<13} {:<10} {}", a.size, msgs, gbps, msgs as f64 / secs / 1e6, retx, spurious, ce);
+        } else {
+            println!(" #bytes     #iterations    t_p50[usec]    t_p99[usec]    retransmits");
+            println!(" {:<10} {:<14} {:<14.2} {:<14.2} {}", a.size, msgs, percentile(&lat_us, 0.5), percentile(&lat_us, 0.99), retx);
+        }
+        println!(" per path: src_port srtt_us cwnd pkts_sent retransmits");
+        for (port, p) in &paths {
+            println!(
+                "   {port:>6} {:>7} {:>8} {:>9} {:>5}{}",
+                p.srtt_us,
+                p.cwnd,
+                p.pkts_sent,
+                p.retransmits,
+                if p.failed { " failed" } else { "" }
+            );
+        }
+        println!("---------------------------------------------------------------------------------------");
+    }
+    t.close();
+    Ok(msgs > 0)
+}
+
+fn main() -> ExitCode {
+    let a = match parse_args() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("metaroce-perf: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let r = if a.role == "server" { server(&a).map(|_| true) } else { client(&a) };
+    match r {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => {
+            eprintln!("metaroce-perf: no message completed");
+            ExitCode::FAILURE
+        }
+        Err(e) => {
+            eprintln!("metaroce-perf: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

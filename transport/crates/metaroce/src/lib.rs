@@ -1,0 +1,12 @@
+//! The MetaRoCE transport over UDP: `metaroce-core` on real sockets with a
+//! progress thread (`transport`), its configuration (`config`), the sockets
+//! (`udp`) and the C ABI of `include/metaroce.h` (`ffi`).
+
+pub mod addr;
+pub mod config;
+pub mod ffi;
+pub mod transport;
+pub mod udp;
+
+pub use metaroce_core::{Completion, Counters, Error, OpKind, PathStats, PeerId, RecvBuf, SendBuf, ANY_PEER};
+pub use transport::{IoCounters, Transport};

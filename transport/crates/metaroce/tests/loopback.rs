@@ -1,0 +1,58 @@
+//! Two endpoints on real UDP sockets on the loopback interface: the progress
+//! thread, the sockets and the C ABI's Rust side together.
+
+use std::time::{Duration, Instant};
+
+use metaroce::{OpKind, RecvBuf, SendBuf, Transport};
+
+fn pattern(seed: u64, n: usize) -> Vec<u8> {
+    (0..n).map(|i| (seed.wrapping_mul(31).wrapping_add(i as u64 * 13)) as u8).collect()
+}
+
+fn wait_for(t: &Transport, n: usize, within: Duration) -> Vec<metaroce::Completion> {
+    let deadline = Instant::now() + within;
+    let mut out = Vec::new();
+    while out.len() < n && Instant::now() < deadline {
+        t.wait(Some(Duration::from_millis(50))).unwrap();
+        out.extend(t.poll(64).unwrap());
+    }
+    out
+}
+
+#[test]
+fn messages_of_every_size_cross_real_sockets() {
+    let a = Transport::open(Some("addr=127.0.0.1,paths=4")).unwrap();
+    let b = Transport::open(Some("addr=127.0.0.1,paths=4")).unwrap();
+    let to_b = a.peer(b.local_addr()).unwrap();
+    let from_a = b.peer(a.local_addr()).unwrap();
+    let sizes = [0usize, 1, 1400, 9000, 65536, 65537, 1 << 20, 16 << 20];
+    for (i, &n) in sizes.iter().enumerate() {
+        b.recv(from_a, RecvBuf::owned(n), i as u64, 0, true, i as u64, true).unwrap();
+    }
+    for (i, &n) in sizes.iter().enumerate() {
+        a.send(to_b, SendBuf::owned(pattern(i as u64, n)), i as u64, true, Some(i as u64 + 7), i as u64, true).unwrap();
+    }
+    let recvs = wait_for(&b, sizes.len(), Duration::from_secs(30));
+    assert_eq!(recvs.len(), sizes.len(), "{:?}", b.counters());
+    for c in recvs {
+        assert_eq!(c.kind, OpKind::Recv);
+        assert_eq!(c.err, None);
+        assert_eq!(c.cq_data, Some(c.tag + 7));
+        let i = c.tag as usize;
+        assert!(c.buf.unwrap().into_vec().unwrap() == pattern(i as u64, sizes[i]), "message {i} corrupted");
+    }
+    let sends = wait_for(&a, sizes.len(), Duration::from_secs(10));
+    assert_eq!(sends.len(), sizes.len());
+    let (ca, io) = a.counters().unwrap();
+    println!("sender {ca:?}\nio {io:?}");
+    a.close();
+    b.close();
+}
+
+#[test]
+fn bad_config_names_the_key() {
+    let e = Transport::open(Some("addr=127.0.0.1,paths=99")).err().unwrap();
+    assert!(e.contains("paths=99"), "{e}");
+    let e = Transport::open(Some("adr=1.2.3.4")).err().unwrap();
+    assert!(e.contains("\"adr\""), "{e}");
+}
