@@ -16,6 +16,8 @@
  * FI_SELECTIVE_COMPLETION; an EQ is accepted and unused; counters are not
  * supported. fi_enable hooks the endpoint into its CQs.
  */
+#include <arpa/inet.h>
+#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -102,6 +104,17 @@ int mrfi_ep_progress(struct mrfi_ep *ep, const struct mrfi_cq *poller)
 	struct mr_completion c[MRFI_POLL_BATCH];
 	int n, rc = 0;
 
+	/* The transport's eventfd is readable exactly while completions are
+	 * pending: checking it costs a syscall but leaves the transport's lock
+	 * to its progress thread, which a spinning reader would otherwise
+	 * contend for. Every 256th call polls anyway, so that a failed endpoint
+	 * (mr_poll: -MR_EIO) is still reported. */
+	if (ep->fd >= 0) {
+		struct pollfd p = {.fd = ep->fd, .events = POLLIN};
+		if (poll(&p, 1, 0) == 0 &&
+		    (__atomic_add_fetch(&ep->idle_polls, 1, __ATOMIC_RELAXED) & 255))
+			return 0;
+	}
 	pthread_mutex_lock(&ep->poll_lock);
 	do {
 		n = mr_poll(ep->mr, c, MRFI_POLL_BATCH);
@@ -506,6 +519,17 @@ static bool ip_of(const char *str, char *ip, size_t len)
 	return true;
 }
 
+/* The IP of a name whose port is 0 (what fi_getinfo(node, NULL, FI_SOURCE)
+ * makes), which mr_addr_format refuses. Layout (transport/PROTOCOL.md,
+ * version 1): version, family 4|6, port (BE), 16 address bytes, 4 zero. */
+static bool name_ip(const uint8_t *n, char *ip, size_t len)
+{
+	if (n[0] != 1 || (n[1] != 4 && n[1] != 6))
+		return false;
+	return inet_ntop(n[1] == 4 ? AF_INET : AF_INET6, n + 4, ip,
+			 (socklen_t)len) != NULL;
+}
+
 static int ep_config(const struct fi_info *info, char *cfg, size_t len)
 {
 	char ip[64], str[128];
@@ -515,7 +539,11 @@ static int ep_config(const struct fi_info *info, char *cfg, size_t len)
 		return 0; /* MR_CONFIG names the address; the transport reads it */
 	if (info->src_addr) {
 		int rc = mr_addr_format(info->src_addr, MR_ADDR_LEN, str, sizeof(str));
-		if (rc || !ip_of(str, ip, sizeof(ip))) {
+		if (rc && name_ip(info->src_addr, ip, sizeof(ip)))
+			rc = 0; /* port 0: mr_addr_format refuses it */
+		else if (!rc && !ip_of(str, ip, sizeof(ip)))
+			rc = -FI_EINVAL;
+		if (rc) {
 			MRFI_WARN(FI_LOG_EP_CTRL, "src_addr is not a metaroce "
 				  "address\n");
 			return -FI_EINVAL;

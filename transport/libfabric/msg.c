@@ -94,10 +94,13 @@ static ssize_t peek(struct mrfi_ep *ep, mr_peer peer, uint64_t tag,
 
 	if (!ep->rx_cq)
 		return -FI_ENOCQ;
-	if (flags & FI_CLAIM)
-		mf |= MR_CLAIM;
+	/* The transport drops a match on MR_DISCARD without MR_CLAIM (with
+	 * MR_CLAIM it would claim it). FI_PEEK|FI_CLAIM|FI_DISCARD is not a
+	 * valid combination: discard wins. */
 	if (flags & FI_DISCARD)
-		mf |= MR_CLAIM | MR_DISCARD; /* found: dropped right away */
+		mf |= MR_DISCARD;
+	else if (flags & FI_CLAIM)
+		mf |= MR_CLAIM;
 	rc = mr_peek(ep->mr, peer, tag, ignore, mf, context, &out);
 	e.op_context = context;
 	e.flags = FI_RECV | (tagged ? FI_TAGGED : FI_MSG);
