@@ -520,7 +520,7 @@ static bool ip_of(const char *str, char *ip, size_t len)
 }
 
 /* The IP of a name whose port is 0 (what fi_getinfo(node, NULL, FI_SOURCE)
- * makes), which mr_addr_format refuses. Layout (transport/PROTOCOL.md,
+ * makes), which mr_addr_format refuses. Layout (crates/metaroce/src/addr.rs,
  * version 1): version, family 4|6, port (BE), 16 address bytes, 4 zero. */
 static bool name_ip(const uint8_t *n, char *ip, size_t len)
 {
