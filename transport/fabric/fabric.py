@@ -46,8 +46,9 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, Self
 
 # --- shaping constants (printed by `up`) ----------------------------------------------------
 LINK_RATE_MBIT = 250
@@ -161,17 +162,16 @@ def nft_ruleset(links: Sequence[str], impairments: Sequence[Impairment]) -> str:
         lines.append(f'    iifname "{dev}" counter name seen_{dev}')
     for imp in impairments:
         chosen = list(links) if imp.link is None else [links[imp.link]]
+        # nftables refuses `mod 10000 < 10000`: 100 % is no random draw at all
+        draw = "" if imp.per10000 >= 10000 else f" numgen random mod 10000 < {imp.per10000}"
         if imp.kind == "drop" and imp.per10000:
             for dev in chosen:
-                lines.append(
-                    f'    iifname "{dev}" numgen random mod 10000 < {imp.per10000}'
-                    f" counter name drop_{dev} drop"
-                )
+                lines.append(f'    iifname "{dev}"{draw} counter name drop_{dev} drop')
         elif imp.kind == "ce" and imp.per10000:
             for dev in chosen:
                 lines.append(
-                    f'    iifname "{dev}" ip ecn {{ ect0, ect1 }} numgen random mod 10000'
-                    f" < {imp.per10000} counter name ce_{dev} ip ecn set ce"
+                    f'    iifname "{dev}" ip ecn {{ ect0, ect1 }}{draw}'
+                    f" counter name ce_{dev} ip ecn set ce"
                 )
         elif imp.kind == "blackhole":
             for dev in chosen:
@@ -343,7 +343,7 @@ class Fabric:
         have = set(list_netns())
         return all(n in have for n in self.namespaces())
 
-    def up(self) -> Fabric:
+    def up(self) -> Self:
         _install_exit_hooks()
         _live.append(self)
         try:
@@ -371,7 +371,7 @@ class Fabric:
         if self in _live:
             _live.remove(self)
 
-    def __enter__(self) -> Fabric:
+    def __enter__(self) -> Self:
         return self.up()
 
     def __exit__(self, *exc: object) -> None:
@@ -391,6 +391,53 @@ class Fabric:
 
     def exec_argv(self, role: str, argv: Sequence[str]) -> list[str]:
         return ["ip", "netns", "exec", self.ns(role), *argv]
+
+    def probe(
+        self,
+        src: tuple[str, str],
+        dst: tuple[str, str],
+        sports: range,
+        count: int,
+        port: int = 9000,
+        size: int = 1000,
+        tos: int = 0,
+        pps: int = 15000,
+    ) -> dict[str, Any]:
+        """Send numbered UDP from (role, address) `src`, one socket per source port, to a
+        receiver at (role, address) `dst`; return the receiver's counts plus "sent"."""
+        me = str(Path(__file__).resolve())
+        sink = subprocess.Popen(
+            self.exec_argv(
+                dst[0],
+                [sys.executable, me, "sink", "--addr", dst[1], "--port", str(port),
+                 "--seconds", str(30 + count * len(sports) / pps), "--idle", "1.5"],
+            ),
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            assert sink.stdout is not None
+            if sink.stdout.readline().strip() != "ready":
+                raise FabricError("udp sink did not start")
+            blast = sh(
+                self.exec_argv(
+                    src[0],
+                    [sys.executable, me, "blast", "--src", src[1], "--dst", dst[1],
+                     "--port", str(port), "--sports", f"{sports.start}:{len(sports)}",
+                     "--count", str(count), "--size", str(size), "--tos", str(tos),
+                     "--pps", str(pps)],
+                )
+            )  # fmt: skip
+            out, _ = sink.communicate(timeout=60 + count * len(sports) / pps)
+        finally:
+            if sink.poll() is None:
+                sink.kill()
+                sink.wait()
+        res: dict[str, Any] = json.loads(out)
+        res["per_port"] = {int(k): v for k, v in res["per_port"].items()}
+        res["ce_per_port"] = {int(k): v for k, v in res["ce_per_port"].items()}
+        res["missing_runs"] = {int(k): v for k, v in res["missing_runs"].items()}
+        res["sent"] = json.loads(blast)["sent"]
+        return res
 
     def counters(self) -> dict[str, Any]:
         """{namespace role: {"links": {dev: {rx/tx packets/bytes/dropped}}, "tbf": {dev:
@@ -570,6 +617,60 @@ class MultipathFabric(Fabric):
             raise FabricError(f"ECMP put 2000 source ports on only {sorted(found)}")
         return found
 
+    def capacity(self, seconds: float = 5.0, payload: int = 1472, src: str = "a") -> dict[str, Any]:
+        """The fabric's measured capacity: one iperf3 UDP flood per data link at once (each
+        pinned to its link by its source port, offered 1.3x the tbf rate), the RECEIVED
+        payload rate per link and in total (Mbit/s of UDP payload, i.e. what a transport's
+        goodput is compared with), plus the wire rate (payload + UDP/IP/Ethernet headers)."""
+        dst = "b" if src == "a" else "a"
+        base = 5201
+        servers: dict[str, subprocess.Popen[str]] = {}
+        clients: dict[str, subprocess.Popen[str]] = {}
+        try:
+            for i, dev in enumerate(self.data_links()):
+                servers[dev] = subprocess.Popen(
+                    self.exec_argv(dst, ["iperf3", "-s", "-1", "-J", "-p", str(base + i),
+                                         "-B", self.data_addr(dst)]),
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                )  # fmt: skip
+            time.sleep(0.5)
+            for i, dev in enumerate(self.data_links()):
+                # the source port must hash to `dev` for the server's port base + i
+                sport = self.ports_per_link(base + i, src, start=21000 + 100 * i)[dev]
+                clients[dev] = subprocess.Popen(
+                    self.exec_argv(src, ["iperf3", "-u", "-J", "-c", self.data_addr(dst),
+                                         "-p", str(base + i), "--cport", str(sport),
+                                         "-B", self.data_addr(src), "-l", str(payload),
+                                         "-b", f"{int(self.rate_mbit * 1.3)}M",
+                                         "-t", str(seconds)]),
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                )  # fmt: skip
+            per_link: dict[str, float] = {}
+            for dev in self.data_links():
+                clients[dev].communicate(timeout=seconds + 30)
+                out, _ = servers[dev].communicate(timeout=30)
+                doc = json.loads(out)
+                if "error" in doc:
+                    raise FabricError(f"iperf3 server on {dev}: {doc['error']}")
+                summ = doc["end"]["sum"]
+                got = (summ["packets"] - summ["lost_packets"]) * payload * 8
+                per_link[dev] = got / summ["seconds"] / 1e6
+        finally:
+            for p in (*servers.values(), *clients.values()):
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        total = sum(per_link.values())
+        wire = total * (payload + 42) / payload
+        return {
+            "payload_bytes": payload,
+            "seconds": seconds,
+            "per_link_mbit": per_link,
+            "total_mbit": total,
+            "total_wire_mbit": wire,
+            "configured_mbit": self.rate_mbit * self.links,
+        }
+
 
 @dataclass
 class IncastFabric(Fabric):
@@ -661,7 +762,8 @@ ECT0 = 2
 
 def udp_sink(addr: str, port: int, seconds: float, idle: float = 1.0) -> dict[str, Any]:
     """Receive UDP for up to `seconds` (stop after `idle` s of silence once packets came):
-    count packets, bytes, CE marks (IP_RECVTOS) and packets per (source port)."""
+    count packets, bytes, CE marks (IP_RECVTOS), packets and CE per source port, and the
+    runs of missing sequence numbers (udp_blast numbers its datagrams)."""
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
     s.setsockopt(socket.IPPROTO_IP, socket.IP_RECVTOS, 1)
@@ -669,6 +771,8 @@ def udp_sink(addr: str, port: int, seconds: float, idle: float = 1.0) -> dict[st
     print("ready", flush=True)
     packets = nbytes = ce = ect = 0
     per_port: dict[int, int] = {}
+    ce_port: dict[int, int] = {}
+    seqs: set[int] = set()
     end = time.monotonic() + seconds
     last = None
     while True:
@@ -683,20 +787,55 @@ def udp_sink(addr: str, port: int, seconds: float, idle: float = 1.0) -> dict[st
         packets += 1
         nbytes += len(data)
         per_port[src[1]] = per_port.get(src[1], 0) + 1
+        if len(data) >= 8:
+            seqs.add(int.from_bytes(data[:8], "big"))
         for level, typ, val in anc:
             if level == socket.IPPROTO_IP and typ == socket.IP_TOS:
                 tos = val[0]
                 if tos & 3 == ECN_CE:
                     ce += 1
+                    ce_port[src[1]] = ce_port.get(src[1], 0) + 1
                 elif tos & 3:
                     ect += 1
-    return {"packets": packets, "bytes": nbytes, "ce": ce, "ect": ect, "per_port": per_port}
+    return {
+        "packets": packets,
+        "bytes": nbytes,
+        "ce": ce,
+        "ect": ect,
+        "per_port": per_port,
+        "ce_per_port": ce_port,
+        "missing_runs": missing_runs(seqs),
+    }
+
+
+def missing_runs(seqs: set[int]) -> dict[int, int]:
+    """{run length: how many runs} of sequence numbers missing below the highest seen."""
+    runs: dict[int, int] = {}
+    if not seqs:
+        return runs
+    run = 0
+    for q in range(max(seqs) + 1):
+        if q in seqs:
+            if run:
+                runs[run] = runs.get(run, 0) + 1
+            run = 0
+        else:
+            run += 1
+    return runs
 
 
 def udp_blast(
-    dst: str, port: int, sports: Sequence[int], count: int, size: int, tos: int, src: str
+    dst: str,
+    port: int,
+    sports: Sequence[int],
+    count: int,
+    size: int,
+    tos: int,
+    src: str,
+    pps: int = 15000,
 ) -> dict[str, Any]:
-    """Send `count` datagrams from each source port in turn (round robin), ECT(0) when asked."""
+    """Send `count` datagrams from each source port in turn (round robin), numbered (the
+    first 8 bytes: a sequence number over all ports), ECT(0) with tos=2."""
     socks = []
     for sp in sports:
         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -704,18 +843,25 @@ def udp_blast(
         s.bind((src, sp))
         s.connect((dst, port))
         socks.append(s)
-    payload = b"\x5a" * size
+    pad = b"\x5a" * max(0, size - 8)
     sent = 0
-    for i in range(count):
+    seq = 0
+    start = time.monotonic()
+    for _ in range(count):
         for s in socks:
             try:
-                s.send(payload)
+                s.send(seq.to_bytes(8, "big") + pad)
                 sent += 1
+                seq += 1
             except (BlockingIOError, ConnectionRefusedError):
                 pass
-        if i % 64 == 63:
-            time.sleep(0.001)  # stay below the links' rate: loss here must be nftables'
-    return {"sent": sent}
+            if seq % 32 == 0:
+                # paced below one link's rate (15 kpps x 1000 B = 120 Mbit/s): the loss a
+                # test counts must be nftables', never a tbf queue overflowing
+                ahead = seq / pps - (time.monotonic() - start)
+                if ahead > 0:
+                    time.sleep(ahead)
+    return {"sent": sent, "seconds": time.monotonic() - start}
 
 
 def _parse_impairments(args: argparse.Namespace) -> list[Impairment]:
@@ -771,6 +917,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     bl.add_argument("--count", type=int, default=100)
     bl.add_argument("--size", type=int, default=1000)
     bl.add_argument("--tos", type=int, default=0)
+    bl.add_argument("--pps", type=int, default=15000)
     args = ap.parse_args(argv)
 
     if args.cmd == "up":
@@ -805,7 +952,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.cmd == "blast":
         first, n = (int(x) for x in args.sports.split(":"))
         res = udp_blast(
-            args.dst, args.port, range(first, first + n), args.count, args.size, args.tos, args.src
+            args.dst,
+            args.port,
+            range(first, first + n),
+            args.count,
+            args.size,
+            args.tos,
+            args.src,
+            args.pps,
         )
         print(json.dumps(res), flush=True)
     return 0
