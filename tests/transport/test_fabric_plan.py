@@ -33,7 +33,7 @@ def test_burst_rule_drops_runs_of_the_asked_length() -> None:
     imp = fabric.Impairment("burst", 100, burst_len=16)
     assert fabric.burst_period(imp) == 1600
     text = fabric.nft_ruleset(LINKS, [imp])
-    assert "numgen inc mod 1600 < 16 meta mark set" in text
+    assert "numgen inc mod 1600 >= 1584 meta mark set" in text
     assert text.count("meta mark set 0 counter name drop_") == 4
 
 

@@ -23,6 +23,7 @@ Run as root. As a script:
     fabric.py up incast [--name N] [--senders 4] [--rate-mbit 500]
     fabric.py impair --name N [--drop P] [--ce P] [--burst P:LEN] [--blackhole LINK] [--link L]
     fabric.py counters --name N          # JSON
+    fabric.py spread --name N            # UDP from 64 source ports: packets per data link
     fabric.py down --name N
     fabric.py cleanup [--prefix mrf]     # removes every leftover namespace of the prefix
 Importable: `with MultipathFabric() as fab: fab.set_impairments([...]); fab.counters()`.
@@ -124,8 +125,12 @@ class Impairment:
             raise ValueError(f"impairment burst per10000={self.per10000}: too small for its length")
 
 
-BURSTY = """Bursty loss: in each direction, `numgen inc mod P < L` over the packets entering
-the (chosen) data links drops L consecutive packets out of every P, P = L * 10000 / per10000.
+BURSTY = """Bursty loss: in each direction, `numgen inc mod P >= P - L` over the packets
+entering the (chosen) data links drops L consecutive packets out of every P,
+P = L * 10000 / per10000; the first burst comes after P - L packets (a burst at the start
+would eat a connection's handshake and its backed-off retries: bursts are counted in
+packets, so where few packets flow a burst lasts long in time, as in a packet-domain
+Gilbert-Elliott channel).
 The average loss is exactly per10000/10000 (the counter is kernel-atomic, so it is per
 direction, across all chosen links); each burst is a run of L back-to-back losses, the
 'bad state' of a Gilbert-Elliott channel with loss 1 in bad and 0 in good, with fixed
@@ -178,9 +183,10 @@ def nft_ruleset(links: Sequence[str], impairments: Sequence[Impairment]) -> str:
                 lines.append(f'    iifname "{dev}" counter name drop_{dev} drop')
         elif imp.kind == "burst" and imp.per10000:
             names = ", ".join(f'"{d}"' for d in chosen)
+            period = burst_period(imp)
             lines.append(
-                f"    iifname {{ {names} }} numgen inc mod {burst_period(imp)}"
-                f" < {imp.burst_len} meta mark set {BURST_MARK:#x}"
+                f"    iifname {{ {names} }} numgen inc mod {period}"
+                f" >= {period - imp.burst_len} meta mark set {BURST_MARK:#x}"
             )
             for dev in chosen:
                 lines.append(
@@ -247,6 +253,16 @@ def veth_pair(dev: str, ns: str, peer: str, peer_ns: str) -> None:
             peer_ns,
         ]
     )
+
+
+def softnet_dropped() -> int:
+    """Packets the host dropped because a CPU's input backlog was full (all namespaces:
+    /proc/net/softnet_stat is per CPU, not per namespace); veth delivery can drop there."""
+    total = 0
+    with open("/proc/net/softnet_stat") as f:
+        for line in f:
+            total += int(line.split()[1], 16)
+    return total
 
 
 def list_netns() -> list[str]:
@@ -441,7 +457,8 @@ class Fabric:
 
     def counters(self) -> dict[str, Any]:
         """{namespace role: {"links": {dev: {rx/tx packets/bytes/dropped}}, "tbf": {dev:
-        {sent_packets, dropped, overlimits, backlog}}, "nft": {counter: {packets, bytes}}}}"""
+        {sent_packets, dropped, overlimits, backlog}}, "nft": {counter: {packets, bytes}}},
+        "host": {"softnet_dropped": n}}"""
         out: dict[str, Any] = {}
         for role in self.roles():
             n = self.ns(role)
@@ -478,6 +495,7 @@ class Fabric:
                     if c:
                         nft[c["name"]] = {"packets": c["packets"], "bytes": c["bytes"]}
             out[role] = {"links": links, "tbf": tbf, "nft": nft}
+        out["host"] = {"softnet_dropped": softnet_dropped()}
         return out
 
 
@@ -900,6 +918,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     im.add_argument("--burst", metavar="PER10000:LEN")
     im.add_argument("--blackhole", type=int, metavar="LINK")
     im.add_argument("--link", type=int, help="only this data link (default: all)")
+    sp = sub.add_parser("spread", help="send UDP from 64 source ports A->B; per-link packets")
+    sp.add_argument("--name", required=True)
     co = sub.add_parser("counters")
     co.add_argument("--name", required=True)
     cl = sub.add_parser("cleanup", help="remove every leftover namespace of a prefix")
@@ -942,6 +962,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         fab = attach(args.name)
         fab.set_impairments(_parse_impairments(args))
         print(f"{args.name}: {fab.impairments}")
+    elif args.cmd == "spread":
+        mp = attach(args.name)
+        if not isinstance(mp, MultipathFabric):
+            raise SystemExit(f"--name {args.name}: spread is for a multipath fabric")
+        before = mp.counters()
+        res = mp.probe(("a", mp.data_addr("a")), ("b", mp.data_addr("b")), range(30000, 30064), 50)
+        after = mp.counters()
+        per = {
+            d: after["b"]["nft"][f"seen_{d}"]["packets"]
+            - before["b"]["nft"][f"seen_{d}"]["packets"]
+            for d in mp.data_links()
+        }
+        print(json.dumps({"sent": res["sent"], "received": res["packets"], "per_link": per}))
     elif args.cmd == "counters":
         print(json.dumps(attach(args.name).counters(), indent=2))
     elif args.cmd == "cleanup":
