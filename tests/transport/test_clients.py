@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import warnings
 from pathlib import Path
 
 import clients
@@ -18,10 +19,11 @@ pytestmark = pytest.mark.transport
 
 CHECKS = str(Path(mpirun.__file__).resolve().parent / "mpi_checks.py")
 ARMS = ["tcp;ofi_rxm", "udp;ofi_rxd"]
-RXM_GAPS = {
-    "truncation": "libfabric 1.17 tcp;ofi_rxm reports FI_ETRUNC, but in about half the runs the"
-    " next collective (a Barrier) then hangs",
-}
+RXM_HANG = (
+    "libfabric 1.17 tcp;ofi_rxm under Open MPI hangs now and then with no loss at all (1 of 6"
+    " small allreduce jobs; 2 of 4 runs right after a truncated receive)"
+)
+RXM_GAPS = {"truncation": f"reports FI_ETRUNC, but {RXM_HANG}"}
 RXD_GAPS = {
     "truncation": "libfabric 1.17 ofi_rxd completes a truncated receive without FI_ETRUNC",
     "issend": "libfabric 1.17 ofi_rxd segfaults in progress on Open MPI's MPI_Issend",
@@ -36,6 +38,18 @@ def ns_pids(fab: fabric.MultipathFabric) -> list[str]:
             ["ip", "netns", "pids", fab.ns(r)], capture_output=True, text=True, check=True
         ).stdout.split()
     ]
+
+
+def run_mpi(
+    fab: fabric.MultipathFabric, provider: str, argv: list[str], timeout: float
+) -> mpirun.MpiResult:
+    """run_mpi, retried once (loudly: a pytest warning) when a tcp;ofi_rxm job hangs: the
+    harness is under test here, and RXM_HANG is that provider's, not the harness's."""
+    res = mpirun.run_mpi(fab, provider, argv, timeout=timeout)
+    if res.timed_out and provider == "tcp;ofi_rxm":
+        warnings.warn(f"tcp;ofi_rxm job hung, retried once: {RXM_HANG}", stacklevel=2)
+        res = mpirun.run_mpi(fab, provider, argv, timeout=timeout)
+    return res
 
 
 def data_bytes(c: dict[str, object], role: str, devs: list[str]) -> int:
@@ -76,9 +90,7 @@ def test_mpi_semantics_across_namespaces(clean: fabric.MultipathFabric, provider
     gaps = RXD_GAPS if provider == "udp;ofi_rxd" else RXM_GAPS
     skip = ["--skip", ",".join(gaps)]
     before = clean.counters()
-    res = mpirun.run_mpi(
-        clean, provider, [mpirun.MPI_PYTHON, CHECKS, "semantics", *skip], timeout=180
-    )
+    res = run_mpi(clean, provider, [mpirun.MPI_PYTHON, CHECKS, "semantics", *skip], timeout=90)
     after = clean.counters()
     assert res.returncode == 0 and "ALL OK" in res.stdout, res.stdout + res.stderr
     for check in ("pickled", "ANY_SOURCE", "Cancel", "ranks per namespace [2, 2]", "8 MiB"):
@@ -117,9 +129,8 @@ def test_mpi_truncation_then_barrier_over_rxm(clean: fabric.MultipathFabric) -> 
 def test_mpi_allreduce_correct_at_1pct_loss_over_tcp(clean: fabric.MultipathFabric) -> None:
     clean.set_impairments([fabric.Impairment("drop", 100)])
     sizes = "1024,65536,1048576,4194304"
-    res = mpirun.run_mpi(
-        clean, "tcp;ofi_rxm", [mpirun.MPI_PYTHON, CHECKS, "allreduce", sizes, "0.5"], timeout=180
-    )
+    argv = [mpirun.MPI_PYTHON, CHECKS, "allreduce", sizes, "0.5"]
+    res = run_mpi(clean, "tcp;ofi_rxm", argv, timeout=90)
     assert res.returncode == 0, res.stdout + res.stderr
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
     assert [r["size"] for r in rows] == [int(s) for s in sizes.split(",")]
