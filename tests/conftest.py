@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-_TIERS = {"unit", "integration", "e2e"}
+_TIERS = {"unit", "integration", "e2e", "transport"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
