@@ -11,7 +11,7 @@ die() { printf '[setup] ERROR: %s\n' "$*" >&2; exit 1; }
 [[ $(id -u) -eq 0 ]] || die "run as root: the harness creates network namespaces and installs packages"
 
 # --- host packages ------------------------------------------------------------------
-packages=(iproute2 kmod procps qemu-system-x86 debootstrap cpio zstd xz-utils dpkg-dev)
+packages=(iproute2 kmod procps util-linux qemu-system-x86 debootstrap cpio zstd xz-utils dpkg-dev shellcheck)
 missing=()
 for p in "${packages[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if ((${#missing[@]})); then
