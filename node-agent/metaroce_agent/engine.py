@@ -75,12 +75,11 @@ class Journal:
             for raw in data.get("entries", []):
                 step = step_from_record(raw)
                 # journals before "verified" hold only what verified passes left
-                verified = raw.get("verified", raw)
-                self.entries[step.id] = JournalEntry(
-                    step,
-                    raw.get("snapshot"),
-                    None if verified is None else step_from_record(verified),
-                )
+                record = raw.get("verified", raw)
+                verified = None if record is None else step_from_record(record)
+                was = {v.id: v for v, _ in verified.split(None)} if verified is not None else {}
+                for part, snapshot in step.split(raw.get("snapshot")):
+                    self.entries[part.id] = JournalEntry(part, snapshot, was.get(part.id))
         except (ValueError, TypeError, StepError) as e:
             log.error("journal %s is unreadable (%s): starting a new one", self.path, e)
             self.entries = {}
