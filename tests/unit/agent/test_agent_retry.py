@@ -86,8 +86,11 @@ def test_a_device_that_appears_later_is_planned_at_once(
     with _running(agent) as a:
         assert _until(lambda: a.state.status is not None, 5)
         assert a.state.status is not None and a.state.status.phase != "Ready"
-        tree.rdma("mlx5_0", netdev="ens1f0")  # mlx5_ib loaded after the agent started
-        assert _until(lambda: a.state.status is not None and a.state.status.phase == "Ready", 10)
+        with a._lock:  # the device appears whole (the fixture writes it file by file)
+            tree.rdma("mlx5_0", netdev="ens1f0")  # mlx5_ib loaded after the agent started
+        assert _until(lambda: a.state.result is not None and a.state.result.ok, 10)
+        assert a.state.status is not None
+        assert a.state.status.phase == "Ready", (a.state.status.phase, _errors(a))
 
 
 def test_backoff_doubles_up_to_a_cap() -> None:
