@@ -25,7 +25,10 @@ def test_kind_cluster_config_parses() -> None:
         assert w["labels"]["metaroce.io/e2e"] == "true"
 
 
-@pytest.mark.parametrize("script", ["hack/kind/up.sh", "hack/build-images.sh", "hack/setup.sh"])
+@pytest.mark.parametrize(
+    "script",
+    ["hack/kind/up.sh", "hack/build-images.sh", "hack/setup.sh", "hack/show-regressions.sh"],
+)
 def test_scripts_pass_shellcheck(script: str) -> None:
     shellcheck = shutil.which("shellcheck")
     if shellcheck is None:
