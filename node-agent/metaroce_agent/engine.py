@@ -17,6 +17,12 @@ with cleanupOnDelete, undo exactly what was done, restoring what was there befor
   planned (a knob the new config drops) are undone only once the whole pass verified.
 - `drift(plan)`: reads every journaled step back; re-applies what differs and counts it.
 - `revert()`: undoes the whole journal in reverse; entries that fail stay journaled.
+
+The journal is written atomically (temporary file, fsync, rename, fsync of the
+directory). One that cannot be read is moved aside (`journal.json.corrupt-<time>`, for
+a human) and never silently replaced by snapshots of the agent's own values: every step
+the agent journals afresh while a journal was lost is marked `originalKnown: false`, and
+a revert leaves such knobs as applied and says so, knob by knob.
 """
 
 from __future__ import annotations
@@ -45,6 +51,9 @@ class JournalEntry:
     verified: Step | None
     """The step as the last pass that verified left it; None when no pass that planned it
     has verified yet."""
+    original_known: bool = True
+    """False when the snapshot was taken after a journal was lost: it may be the agent's
+    own earlier value, so a revert must not put it back as the node's original."""
 
     def to_json(self) -> dict[str, Json]:
         verified = None if self.verified is None else self.verified.record()
@@ -53,6 +62,7 @@ class JournalEntry:
             "id": self.step.id,
             "snapshot": self.snapshot,
             "verified": verified,
+            "originalKnown": self.original_known,
         }
 
 
@@ -63,12 +73,18 @@ class Journal:
         self.host = host
         self.path = f"{state_dir}/{network}/journal.json"
         self.entries: dict[str, JournalEntry] = {}
+        self.problem = ""
+        """Why the journal on disk could not be read (it was moved aside), or empty."""
         self.load()
+
+    @property
+    def originals_lost(self) -> bool:
+        return bool(self.problem)
 
     def load(self) -> None:
         text = self.host.read_opt(self.path)
         self.entries = {}
-        if not text:
+        if text is None:
             return
         try:
             data = json.loads(text)
@@ -78,18 +94,32 @@ class Journal:
                 record = raw.get("verified", raw)
                 verified = None if record is None else step_from_record(record)
                 was = {v.id: v for v, _ in verified.split(None)} if verified is not None else {}
+                known = bool(raw.get("originalKnown", True))
                 for part, snapshot in step.split(raw.get("snapshot")):
-                    self.entries[part.id] = JournalEntry(part, snapshot, was.get(part.id))
-        except (ValueError, TypeError, StepError) as e:
-            log.error("journal %s is unreadable (%s): starting a new one", self.path, e)
+                    entry = JournalEntry(part, snapshot, was.get(part.id), known)
+                    self.entries[part.id] = entry
+        except (ValueError, TypeError, KeyError, AttributeError, StepError) as e:
+            aside = f"{self.path}.corrupt-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}"
+            self.problem = (
+                f"journal {self.path} is unreadable ({e}); moved to {aside}: the node's "
+                "original values of the knobs it listed are lost, so knobs journaled from now "
+                "on are marked originalKnown: false and a revert leaves them as applied"
+            )
+            log.error("%s", self.problem)
             self.entries = {}
+            try:
+                self.host.rename(self.path, aside)
+            except Exception as move_error:
+                log.error("cannot move the unreadable journal aside: %s", move_error)
 
     def save(self) -> None:
         body = {"version": 1, "entries": [e.to_json() for e in self.entries.values()]}
         self.host.write_atomic(self.path, json.dumps(body, indent=1, sort_keys=True))
 
-    def put(self, step: Step, snapshot: Json, verified: Step | None) -> None:
-        self.entries[step.id] = JournalEntry(step, snapshot, verified)
+    def put(
+        self, step: Step, snapshot: Json, verified: Step | None, original_known: bool = True
+    ) -> None:
+        self.entries[step.id] = JournalEntry(step, snapshot, verified, original_known)
         self.save()
 
     def commit(self, steps: list[Step]) -> None:
@@ -136,6 +166,8 @@ class DriftResult:
 class RevertResult:
     undone: list[str] = field(default_factory=list)
     errors: list[tuple[str, str]] = field(default_factory=list)
+    left: list[tuple[str, str]] = field(default_factory=list)
+    """(step name, why) of knobs left as applied: their original was lost."""
     seconds: float = 0.0
 
     @property
@@ -170,8 +202,11 @@ class Engine:
                         changes.append((step, previous))
                     done.append(step)
                     continue
-                snapshot = prior.snapshot if prior is not None else step.snapshot(self.host)
-                self.journal.put(step, snapshot, previous)
+                if prior is not None:
+                    snapshot, known = prior.snapshot, prior.original_known
+                else:  # first touch; after a lost journal the "original" may be ours
+                    snapshot, known = step.snapshot(self.host), not self.journal.originals_lost
+                self.journal.put(step, snapshot, previous, known)
                 changes.append((step, previous))
                 log.info("[%d/%d] apply %s = %s", i, total, step.name, step.value())
                 step.apply(self.host)
@@ -240,7 +275,7 @@ class Engine:
                         problem = previous.verify(self.host)
                         if problem is not None:
                             raise StepError(f"read back after restoring: {problem}")
-                    self.journal.put(previous, entry.snapshot, previous)
+                    self.journal.put(previous, entry.snapshot, previous, entry.original_known)
                 rolled.append(step.name)
             except Exception as e:
                 errors.append(f"restore {step.name}: {e}")
@@ -282,6 +317,15 @@ class Engine:
         entries = list(self.journal.entries.values())
         log.info("revert: undoing %d step(s)", len(entries))
         for entry in reversed(entries):
+            if not entry.original_known:
+                why = (
+                    "its original value was lost with an unreadable journal: left as applied "
+                    "(set it by hand if the node needs its old value)"
+                )
+                log.warning("revert %s: %s", entry.step.name, why)
+                result.left.append((entry.step.name, why))
+                self.journal.drop(entry.step.id)
+                continue
             try:
                 entry.step.undo(self.host, entry.snapshot)
                 result.undone.append(entry.step.name)

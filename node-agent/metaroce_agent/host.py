@@ -12,6 +12,7 @@ fixture implementation reads and writes the fixture tree.
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import logging
 import os
@@ -193,15 +194,35 @@ class Host:
             raise HostError(f"cannot write {value!r} to {path}: {e.strerror or e}") from e
 
     def write_atomic(self, path: str, value: str) -> None:
-        """Write a regular file through a temporary name and a rename (agent state)."""
+        """Write a regular file so that a crash leaves either the old or the new content
+        (agent state): a temporary file, fsync, rename over the target, fsync of the
+        directory (which makes the rename itself durable)."""
         target = self.path(path)
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = target.with_name(f".{target.name}.tmp")
-            tmp.write_text(value, encoding="utf-8")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.write(fd, value.encode("utf-8"))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
             os.replace(tmp, target)
+            dirfd = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dirfd)
+            finally:
+                os.close(dirfd)
         except OSError as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
             raise HostError(f"cannot write {path}: {e.strerror or e}") from e
+
+    def rename(self, path: str, new_path: str) -> None:
+        try:
+            os.replace(self.path(path), self.path(new_path))
+        except OSError as e:
+            raise HostError(f"cannot rename {path} to {new_path}: {e.strerror or e}") from e
 
     def exists(self, path: str) -> bool:
         return os.path.lexists(self.path(path))

@@ -293,6 +293,8 @@ class Agent:
                 if not result.ok:
                     errors.insert(0, ("retry", note))
             errors += [(p.where, p.message) for p in st.plan.problems]
+            if self.engine.journal.problem:
+                errors.append(("journal", self.engine.journal.problem))
             for step, _ in errors:
                 self.metrics.errors.labels(step=step[:64]).inc()
             st.errors.set(errors)
@@ -347,7 +349,10 @@ class Agent:
             st.status = self._status(reverting=True)
             self._write(st.status)
             result = self.engine.revert()
-            st.errors.set([(f"revert {name}", msg) for name, msg in result.errors])
+            st.errors.set(
+                [(f"revert {name}", msg) for name, msg in result.errors]
+                + [(f"revert {name}", msg) for name, msg in result.left]
+            )
             st.reverted = result.ok
             if result.ok:
                 log.info("reverted %d step(s) in %.2f s", len(result.undone), result.seconds)
