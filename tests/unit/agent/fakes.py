@@ -229,15 +229,32 @@ class SysfsTree:
         hw_counters: Sequence[str] | None = None,
         device_hw_counters: Sequence[str] = (),
         counter_value: int = 0,
+        driver: str | None = None,
     ) -> None:
+        """An RDMA device on `netdev`. `software=True` is rxe (a `parent` attribute, node
+        description "rxe", no device link); `driver="siw"` is Software iWARP (its device
+        link is the netdev's own device, if any), another name a software device with
+        neither (a future MetaRoCE device)."""
         base = f"/sys/class/infiniband/{name}"
         nbase = f"/sys/class/net/{netdev}"
         mac = (self.p(f"{nbase}/address").read_text().strip()) if self.p(nbase).exists() else None
         self.write(f"{base}/node_guid", "5054:00ff:fe00:010b")
-        self.write(f"{base}/fw_ver", "0.0.0" if software else "22.31.1014")
+        self.write(f"{base}/fw_ver", "0.0.0" if software or driver else "22.31.1014")
         self.write(f"{base}/node_type", "1: CA")
-        if software:
+        if driver == "siw":
+            software = True
+            self.write(f"{base}/node_desc", "Software iWARP stack")
+            if self.p(f"{nbase}/device").exists():
+                self.symlink(
+                    f"{base}/device",
+                    os.path.realpath(self.p(f"{nbase}/device")).replace(str(self.root), "", 1),
+                )
+        elif driver is not None:
+            software = True
+            self.write(f"{base}/node_desc", driver)
+        elif software:
             self.write(f"{base}/parent", netdev)
+            self.write(f"{base}/node_desc", "rxe")
         else:
             self.symlink(
                 f"{base}/device",
