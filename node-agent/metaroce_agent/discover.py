@@ -22,7 +22,36 @@ from metaroce_agent.host import Host
 log = logging.getLogger("metaroce.agent.discover")
 
 RoceType = Literal["RoCE v2", "IB/RoCE v1", "IB", "unknown"]
-RdmaKind = Literal["hardware", "softroce"]
+RdmaKind = Literal["hardware", "softroce", "software"]
+"""`softroce`: an rxe device; `software`: another software device (siw, a MetaRoCE
+device), which the agent neither adopts as an rxe link nor counts as hardware RoCE."""
+
+RXE_VENDOR_ID = "0xffffff"
+"""The verbs vendor id rdma_rxe reports."""
+SOFTWARE_DRIVERS = {"rxe": "rxe", "Software iWARP stack": "siw"}
+"""Node descriptions that software RDMA drivers set (rxe: "rxe", siw: a fixed text)."""
+
+
+def rdma_driver(
+    node_desc: str | None, has_parent: bool, vendor_id: str | None, device_driver: str | None
+) -> tuple[RdmaKind, str | None]:
+    """An RDMA device's kind and driver from what sysfs and verbs show of it.
+
+    rxe is the only driver with a `parent` attribute, describes its node as "rxe" and
+    reports vendor id 0xffffff; siw describes itself and links to the NIC's own device
+    (so a device link alone does not make hardware); a hardware device's driver is the
+    one bound to its device. Anything else without a device link is another software
+    device, driver unknown."""
+    desc = (node_desc or "").strip()
+    if has_parent or desc == "rxe" or vendor_id == RXE_VENDOR_ID:
+        return "softroce", "rxe"
+    for prefix, driver in SOFTWARE_DRIVERS.items():
+        if desc.startswith(prefix):
+            return "software", driver
+    if device_driver:
+        return "hardware", device_driver
+    return "software", None
+
 
 PORT_STATES = {0: "NOP", 1: "DOWN", 2: "INIT", 3: "ARMED", 4: "ACTIVE", 5: "ACTIVE_DEFER"}
 IB_MTU = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}
@@ -93,6 +122,8 @@ class RdmaDevice:
     vendor_part_id: str | None = None
     uverbs: str | None = None
     """The verbs char device, e.g. uverbs0 (/dev/infiniband/uverbs0)."""
+    driver: str | None = None
+    """rxe, siw, mlx5_core, ... (None: a software device of an unknown driver)."""
 
     def port(self, num: int = 1) -> Port | None:
         return next((p for p in self.ports if p.num == num), None)
@@ -526,7 +557,12 @@ def discover(host: Host, *, require_pyverbs: bool = False) -> Inventory:
             continue
         base = f"/sys/class/infiniband/{name}"
         netdev = _rdma_netdev(host, name, vd.ports)
-        software = not host.exists(f"{base}/device") or host.exists(f"{base}/parent")
+        kind, driver = rdma_driver(
+            host.read_opt(f"{base}/node_desc"),
+            host.exists(f"{base}/parent"),
+            vd.vendor_id,
+            host.readlink_name(f"{base}/device/driver") if host.exists(f"{base}/device") else None,
+        )
         parent_nd = by_name.get(netdev or "")
         ports = []
         for vp in vd.ports:
@@ -558,7 +594,8 @@ def discover(host: Host, *, require_pyverbs: bool = False) -> Inventory:
         devices.append(
             RdmaDevice(
                 name=name,
-                kind="softroce" if software else "hardware",
+                kind=kind,
+                driver=driver,
                 netdev=netdev,
                 ports=tuple(ports),
                 node_guid=vd.node_guid,
