@@ -427,11 +427,16 @@ def _ifindex_names(host: Host) -> dict[int, str]:
 def verbs_backend(host: Host, *, require_pyverbs: bool = False) -> tuple[VerbsBackend, list[str]]:
     """The backend to use, and warnings about the choice.
 
-    A fixture root always reads sysfs (pyverbs sees only the real kernel). On the real
-    root, pyverbs is used when importable; otherwise sysfs with a warning, or an error
-    when `require_pyverbs`.
+    A fixture tree (`Host(fixture=True)`) is read from sysfs (pyverbs sees only the real
+    kernel), and refused with `require_pyverbs`. On the real node, pyverbs is used when
+    importable; otherwise sysfs with a warning, or an error when `require_pyverbs`.
     """
-    if not host.is_real:
+    if host.fixture:
+        if require_pyverbs:
+            raise DiscoveryError(
+                f"{host.root} is a fixture tree, read from sysfs: pyverbs sees only the real "
+                "kernel; drop --require-pyverbs or --fixture-root"
+            )
         return SysfsVerbs(host), []
     try:
         return PyverbsBackend(host), []

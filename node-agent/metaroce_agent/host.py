@@ -136,17 +136,26 @@ class Host:
         root: Path | str = "/",
         runner: CommandRunner | None = None,
         netlink: Netlink | None = None,
+        *,
+        fixture: bool = False,
     ) -> None:
+        """`fixture=True`: `root` is a fixture tree (tests, demos): sysfs discovery and a
+        netlink simulated over the tree. It is never inferred from the root: commands
+        (tc, dcb, rdma, modprobe) still go to `runner`, the machine's own by default."""
         self.root = Path(root)
+        self.fixture = fixture
+        if not fixture and self.root != Path("/"):
+            raise ValueError(
+                f"host root {root}: the real node is /; a fixture tree needs fixture=True "
+                "(--fixture-root on the command line)"
+            )
         self.runner: CommandRunner = runner or SubprocessRunner()
-        self.netlink: Netlink = netlink or (
-            PyRoute2Netlink() if self.is_real else FixtureNetlink(self)
-        )
+        self.netlink: Netlink = netlink or (FixtureNetlink(self) if fixture else PyRoute2Netlink())
 
     @property
     def is_real(self) -> bool:
-        """True when the root is the machine's own `/` (the kernel, not a fixture)."""
-        return self.root == Path("/")
+        """True for the machine's own kernel, False for a fixture tree."""
+        return not self.fixture
 
     # --- paths -----------------------------------------------------------------------
     def path(self, path: str) -> Path:

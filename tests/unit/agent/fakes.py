@@ -329,7 +329,7 @@ class FixtureHost(Host):
     unwritable: set[str]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, fixture=True, **kwargs)
         self.unwritable = set()
 
     def write(self, path: str, value: str) -> None:

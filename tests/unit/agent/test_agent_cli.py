@@ -106,8 +106,8 @@ def test_cli_flag_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert "--metrics-port '70000': not a TCP port (0-65535)" in capsys.readouterr().err
     assert run_main(["--config", str(cfg), "--skip-knob", "tos"]) == 2
     assert "--skip-knob 'tos': not a knob: use one of" in capsys.readouterr().err
-    assert run_main(["--config", str(cfg), "--root", str(tmp_path / "nope")]) == 2
-    assert "--root" in capsys.readouterr().err
+    assert run_main(["--config", str(cfg), "--fixture-root", str(tmp_path / "nope")]) == 2
+    assert "--fixture-root" in capsys.readouterr().err
     assert run_main(["--config", str(cfg), "--device-plugin-dir", "device-plugins"]) == 2
     assert "--device-plugin-dir 'device-plugins': give an absolute path" in (
         capsys.readouterr().err
@@ -115,13 +115,15 @@ def test_cli_flag_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
 
 
 def test_cli_once_over_a_fixture_root(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # --root on a fixture tree with the real runner: no tools touch the machine because
-    # the tree lacks what they would need; discovery works and the plan is reported
+    # --fixture-root with the real runner: no tools touch the machine because the tree
+    # lacks what they would need; discovery works and the plan is reported
     tree, _ = no_rdma_node(tmp_path / "root")
     cfg = make_config(nics={"drivers": ["igb"]})
     path = tmp_path / "c.yaml"
     path.write_text(cfg.to_yaml())
-    rc = run_main(["--config", str(path), "--root", str(tree.root), "--no-report", "--once"])
+    rc = run_main(
+        ["--config", str(path), "--fixture-root", str(tree.root), "--no-report", "--once"]
+    )
     out = capsys.readouterr().out
     assert rc == 1 and "phase Failed" in out and "allowSoftRoceFallback" in out
 
@@ -158,9 +160,9 @@ def test_doctor_with_config_checks_every_knob(node, tmp_path: Path) -> None:  # 
 
 def test_doctor_main_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     tree, _ = no_rdma_node(tmp_path / "root")
-    assert doctor_main(["--root", str(tree.root)]) == 1
+    assert doctor_main(["--fixture-root", str(tree.root)]) == 1
     assert "NOT READY" in capsys.readouterr().out
-    assert doctor_main(["--root", str(tmp_path / "none")]) == 2
+    assert doctor_main(["--fixture-root", str(tmp_path / "none")]) == 2
 
 
 class FakeKube:

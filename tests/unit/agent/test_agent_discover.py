@@ -84,7 +84,7 @@ def test_two_nics_on_two_numa_nodes(node) -> None:  # type: ignore[no-untyped-de
 
 
 def test_fixture_root_never_uses_pyverbs(tmp_path: Path) -> None:
-    backend, warnings = verbs_backend(Host(tmp_path))
+    backend, warnings = verbs_backend(Host(tmp_path, fixture=True))
     assert backend.source == "sysfs" and warnings == []
 
 
