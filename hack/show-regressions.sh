@@ -15,6 +15,7 @@ tests=(
   tests/unit/agent/test_agent_journal.py  # finding 4: durable journal, no invented originals
   tests/unit/agent/test_agent_software_rdma.py  # finding 5: rxe matched by its driver
   tests/unit/agent/test_agent_fixture_mode.py   # finding 11: no silent fixture mode
+  tests/unit/agent/test_agent_modules.py  # finding 6: verbs modules loaded, rdma_cm only if there
 )
 # the tests' own fixtures (additions only) go along with them
 support=(tests/unit/agent/fakes.py tests/unit/agent/conftest.py)
