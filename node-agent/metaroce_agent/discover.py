@@ -152,6 +152,8 @@ class Inventory:
     rdma_devices: tuple[RdmaDevice, ...] = ()
     source: Literal["pyverbs", "sysfs"] = "sysfs"
     warnings: tuple[str, ...] = ()
+    rdma_cm: bool = False
+    """/dev/infiniband/rdma_cm exists (rdma_ucm is loaded): pods may be given it."""
 
     def netdev(self, name: str) -> NetDevice | None:
         return next((n for n in self.netdevs if n.name == name), None)
@@ -553,9 +555,19 @@ def discover(host: Host, *, require_pyverbs: bool = False) -> Inventory:
         netdevs.append(nd)
     by_name = {n.name: n for n in netdevs}
     devices = []
-    for name in backend.devices():
+    listed = backend.devices()
+    # a device verbs cannot list (ib_uverbs not loaded) is still the node's: read it from
+    # sysfs, without a verbs device, so the plan can say what is missing
+    unlisted = [n for n in host.listdir("/sys/class/infiniband") if n not in listed]
+    for name in unlisted:
+        warnings.append(
+            f"RDMA device {name} is not visible through {backend.source} (no verbs device: "
+            "is ib_uverbs loaded?): read from sysfs"
+        )
+        log.warning("%s", warnings[-1])
+    for name in [*listed, *unlisted]:
         try:
-            vd = backend.query(name)
+            vd = backend.query(name) if name in listed else SysfsVerbs(host).query(name)
         except Exception as e:  # a device that vanished or cannot be opened
             warnings.append(f"cannot query RDMA device {name} through {backend.source}: {e}")
             log.warning("%s", warnings[-1])
@@ -615,6 +627,7 @@ def discover(host: Host, *, require_pyverbs: bool = False) -> Inventory:
         rdma_devices=tuple(devices),
         source=backend.source,
         warnings=tuple(warnings),
+        rdma_cm=host.exists("/dev/infiniband/rdma_cm"),
     )
     log.info(
         "discovered %d netdevs, %d RDMA devices (%s) through %s",

@@ -414,6 +414,8 @@ class FakeKernel:
             self.tree.module(name)
             if name == "rdma_cm" and self.tree.p("/sys/kernel/config").exists():
                 self.tree.mkdir("/sys/kernel/config/rdma_cm")
+            if name == "rdma_ucm":  # devtmpfs makes its device node
+                self.tree.write("/dev/infiniband/rdma_cm", "")
         return ""
 
     # --- rdma --------------------------------------------------------------------------

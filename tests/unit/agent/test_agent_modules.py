@@ -6,6 +6,7 @@ the container failed to start."""
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -45,6 +46,7 @@ def test_a_device_verbs_cannot_see_is_found_and_the_fix_is_ib_uverbs(
             return []
 
     monkeypatch.setattr(discover_mod, "verbs_backend", lambda host, **kw: (NoUverbs(host), []))
+    shutil.rmtree(n.tree.p("/sys/class/infiniband_verbs"))  # ib_uverbs makes these
     inv = n.inventory()
     dev = inv.rdma_device("mlx5_0")
     assert dev is not None and dev.kind == "hardware" and dev.uverbs is None

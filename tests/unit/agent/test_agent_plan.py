@@ -30,8 +30,8 @@ def test_mellanox_lossless_uses_dcb_ecn_and_configfs(node) -> None:  # type: ign
     plan = make_plan(cfg, inv, n.caps(cfg, inv))
     assert plan.ok and plan.mode == "rocev2" and plan.netdevs == ("ens1f0",)
     assert kinds(plan) == [
-        "dcb-app", "dcb-app", "dcb-pfc", "ecn", "cnp-marking", "rdma-cm-dir", "roce-mode",
-        "roce-tos",
+        "kernel-module", "kernel-module", "dcb-app", "dcb-app", "dcb-pfc", "ecn",
+        "cnp-marking", "rdma-cm-dir", "roce-mode", "roce-tos",
     ]  # fmt: skip
     by_kind = {s.kind: s for s in plan.steps}
     # one APP step per DSCP, so that a DSCP the config drops is a step undone
