@@ -16,6 +16,7 @@ tests=(
   tests/unit/agent/test_agent_software_rdma.py  # finding 5: rxe matched by its driver
   tests/unit/agent/test_agent_fixture_mode.py   # finding 11: no silent fixture mode
   tests/unit/agent/test_agent_modules.py  # finding 6: verbs modules loaded, rdma_cm only if there
+  tests/unit/agent/test_agent_probe_server.py  # finding 7 (server side): concurrent, deadlines, cap
 )
 # the tests' own fixtures (additions only) go along with them
 support=(tests/unit/agent/fakes.py tests/unit/agent/conftest.py)
