@@ -65,36 +65,16 @@ def _node_name(flag: str | None) -> str:
 
 def _root_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--root", default="/", help="the node's root: only / (the default)")
-    p.add_argument(
-        "--fixture-root",
-        metavar="DIR",
-        help="read a fixture tree instead of the node (tests, demos): sysfs discovery and "
-        "a netlink simulated over DIR; tc, dcb, rdma and modprobe still run on this machine; "
-        "not with --require-pyverbs",
-    )
 
 
-def _root(args: argparse.Namespace) -> tuple[Path, bool]:
-    """(root, fixture) from --root / --fixture-root, or UsageError naming the fix."""
-    if args.fixture_root is not None:
-        if args.root != "/":
-            raise UsageError("--root and --fixture-root: give one of them")
-        if args.require_pyverbs:
-            raise UsageError(
-                f"--fixture-root {args.fixture_root!r} with --require-pyverbs: a fixture "
-                "tree is read from sysfs (pyverbs sees only the real kernel): drop one"
-            )
-        root = Path(args.fixture_root)
-        if not root.is_dir():
-            raise UsageError(f"--fixture-root {args.fixture_root!r}: no such directory")
-        return root, True
+def _root(args: argparse.Namespace) -> Path:
+    """The root (only /), or UsageError naming the fix."""
     if args.root != "/":
         raise UsageError(
-            f"--root {args.root!r}: the agent works on the node itself (/); to read a "
-            f"fixture tree say so: --fixture-root {args.root} (sysfs discovery, simulated "
-            "netlink, commands still run on this machine)"
+            f"--root {args.root!r}: the agent works on the node itself (/); there is no "
+            "fixture mode (fixture trees are for the unit tests, through their FixtureHost)"
         )
-    return Path("/"), False
+    return Path("/")
 
 
 def agent_parser() -> argparse.ArgumentParser:
@@ -161,7 +141,7 @@ def run_main(argv: list[str]) -> int:
             raise UsageError(
                 f"--skip-knob {unknown[0]!r}: not a knob: use one of {', '.join(QOS_KNOBS)}"
             )
-        root, fixture = _root(args)
+        root = _root(args)
         metrics_port = (
             None
             if args.no_metrics
@@ -184,7 +164,6 @@ def run_main(argv: list[str]) -> int:
         config_path=config_path,
         node_name=_node_name(args.node_name),
         root=root,
-        fixture=fixture,
         kubeconfig=args.kubeconfig,
         report=not args.no_report,
         metrics_address=args.metrics_address,
@@ -270,13 +249,13 @@ def doctor_main(argv: list[str]) -> int:
     args = doctor_parser().parse_args(argv)
     setup_logging("debug" if args.verbose else "error")
     try:
-        root, fixture = _root(args)
+        root = _root(args)
         cfg = load_config(Path(args.config)) if args.config else None
     except (UsageError, ConfigError) as e:
         print(f"metaroce doctor: {e}", file=sys.stderr)
         return 2
     ex = examine(
-        Host(root, fixture=fixture),
+        Host(root),
         cfg,
         _node_name(args.node_name),
         require_pyverbs=args.require_pyverbs,

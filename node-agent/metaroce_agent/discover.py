@@ -3,7 +3,7 @@
 pyverbs gives the device attributes, port state, active MTU and the GID table with each
 entry's type (RoCE v1/v2); sysfs gives the netdev, PCI ids, driver, NUMA node and link
 speed. Where pyverbs cannot be imported (the host's own Python has no Debian
-dist-packages) or the root is a fixture tree, the verbs side is read from sysfs instead
+dist-packages) or the host is the tests' fixture host, the verbs side is read from sysfs instead
 and the inventory says so (`Inventory.source`, `Inventory.warnings`). In the guests and
 the agent image pyverbs is there and used; `require_pyverbs=True` makes its absence an
 error.
@@ -429,16 +429,11 @@ def _ifindex_names(host: Host) -> dict[int, str]:
 def verbs_backend(host: Host, *, require_pyverbs: bool = False) -> tuple[VerbsBackend, list[str]]:
     """The backend to use, and warnings about the choice.
 
-    A fixture tree (`Host(fixture=True)`) is read from sysfs (pyverbs sees only the real
-    kernel), and refused with `require_pyverbs`. On the real node, pyverbs is used when
-    importable; otherwise sysfs with a warning, or an error when `require_pyverbs`.
+    A host without the kernel (the tests' fixture host) is read from sysfs: pyverbs sees
+    only the real kernel. On the node, pyverbs is used when importable; otherwise sysfs
+    with a warning, or an error when `require_pyverbs`.
     """
-    if host.fixture:
-        if require_pyverbs:
-            raise DiscoveryError(
-                f"{host.root} is a fixture tree, read from sysfs: pyverbs sees only the real "
-                "kernel; drop --require-pyverbs or --fixture-root"
-            )
+    if not host.uses_kernel:
         return SysfsVerbs(host), []
     try:
         return PyverbsBackend(host), []

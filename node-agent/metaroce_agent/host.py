@@ -1,19 +1,18 @@
 """The one door to the host: files under a root directory, commands, and netlink.
 
 Every sysfs, configfs, procfs, ``/dev`` and agent-state path the agent touches goes
-through `Host`, which takes a root directory: the real agent uses ``/``, unit tests a
-fixture tree (``tests/fixtures/sysfs/<case>``) or a tmp dir. Commands (``rdma``, ``dcb``,
-``ip``, ``tc``, ``modprobe``) go through one `CommandRunner` that logs what it ran; unit
-tests swap in a runner that records argv and replays canned outputs. Netlink (MTU,
-addresses) goes through `Netlink`, whose real implementation uses pyroute2 and whose
-fixture implementation reads and writes the fixture tree.
+through `Host`, which takes a root directory: the agent uses ``/`` (nothing else: there
+is no fixture mode in production code). Commands (``rdma``, ``dcb``, ``ip``, ``tc``,
+``modprobe``) go through one `CommandRunner` that logs what it ran; netlink (MTU,
+addresses) through `Netlink` (pyroute2). The unit tests' `FixtureHost`
+(tests/unit/agent/fakes.py) subclasses `Host` over a fixture tree, with a runner that
+records argv and replays canned outputs and a netlink over the tree.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import errno
 import logging
 import os
 import shlex
@@ -131,31 +130,32 @@ class Netlink(Protocol):
 class Host:
     """Files under `root`, commands through `runner`, netlink through `netlink`."""
 
+    uses_kernel: bool = True
+    """Whether the kernel behind the files is this machine's (pyverbs, pyroute2 see it).
+    Only the tests' fixture host, a subclass with its own netlink over a fixture tree,
+    says False: production code has no switch to a fixture mode."""
+
     def __init__(
         self,
         root: Path | str = "/",
         runner: CommandRunner | None = None,
         netlink: Netlink | None = None,
-        *,
-        fixture: bool = False,
     ) -> None:
-        """`fixture=True`: `root` is a fixture tree (tests, demos): sysfs discovery and a
-        netlink simulated over the tree. It is never inferred from the root: commands
-        (tc, dcb, rdma, modprobe) still go to `runner`, the machine's own by default."""
         self.root = Path(root)
-        self.fixture = fixture
-        if not fixture and self.root != Path("/"):
+        if self.uses_kernel and self.root != Path("/"):
             raise ValueError(
-                f"host root {root}: the real node is /; a fixture tree needs fixture=True "
-                "(--fixture-root on the command line)"
+                f"host root {root}: the agent works on the node itself (/); a fixture tree "
+                "is the tests' FixtureHost (tests/unit/agent/fakes.py)"
             )
         self.runner: CommandRunner = runner or SubprocessRunner()
-        self.netlink: Netlink = netlink or (FixtureNetlink(self) if fixture else PyRoute2Netlink())
+        if netlink is None and not self.uses_kernel:
+            raise ValueError("a host without the kernel needs its own netlink")
+        self.netlink: Netlink = netlink or PyRoute2Netlink()
 
     @property
     def is_real(self) -> bool:
-        """True for the machine's own kernel, False for a fixture tree."""
-        return not self.fixture
+        """True for the machine's own kernel, False for the tests' fixture host."""
+        return self.uses_kernel
 
     # --- paths -----------------------------------------------------------------------
     def path(self, path: str) -> Path:
@@ -397,39 +397,3 @@ class PyRoute2Netlink:
                     kind = info.get_attr("IFLA_INFO_KIND")
                     return str(kind) if kind else None
             return None
-
-
-class FixtureNetlink:
-    """Netlink over a fixture tree: MTU in /sys/class/net/<if>/mtu, addresses in
-    /sys/class/net/<if>/fixture_ipv4 (one per line; a fixture-only file)."""
-
-    def __init__(self, host: Host) -> None:
-        self.host = host
-
-    def set_mtu(self, ifname: str, mtu: int) -> None:
-        if not self.host.exists(f"/sys/class/net/{ifname}"):
-            raise HostError(f"no network interface {ifname}")
-        limit = self.host.read_int(f"/sys/class/net/{ifname}/fixture_max_mtu")
-        if limit is not None and mtu > limit:
-            raise HostError(
-                f"netlink: cannot set mtu {mtu} on {ifname}: {os.strerror(errno.EINVAL)}"
-            )
-        self.host.write(f"/sys/class/net/{ifname}/mtu", str(mtu))
-
-    def link_kind(self, ifname: str) -> str | None:
-        return self.host.read_opt(f"/sys/class/net/{ifname}/fixture_kind")
-
-    def qdisc_kinds(self, ifname: str) -> list[str]:
-        """From `tc -j qdisc show` (the fixture's runner plays tc)."""
-        import json
-
-        res = self.host.run(["tc", "-j", "qdisc", "show", "dev", ifname], check=False)
-        try:
-            data = json.loads(res.stdout or "[]")
-        except ValueError:
-            return []
-        return [str(q.get("kind")) for q in data if isinstance(q, dict)]
-
-    def ipv4_addresses(self, ifname: str) -> list[str]:
-        text = self.host.read_opt(f"/sys/class/net/{ifname}/fixture_ipv4") or ""
-        return [line.strip() for line in text.splitlines() if line.strip()]

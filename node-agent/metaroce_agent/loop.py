@@ -66,8 +66,6 @@ class AgentOptions:
     config_path: Path
     node_name: str
     root: Path = Path("/")
-    fixture: bool = False
-    """`root` is a fixture tree (`--fixture-root`), not the node."""
     kubeconfig: str | None = None
     report: bool = True
     metrics_address: str = "0.0.0.0"
@@ -151,7 +149,7 @@ class Agent:
         kube: KubeClient | None = None,
     ) -> None:
         self.options = options
-        self.host = host or Host(options.root, fixture=options.fixture)
+        self.host = host or Host(options.root)
         self.config = load_config(options.config_path)
         self._config_mtime = self._mtime()
         self.state = AgentState(self.config)

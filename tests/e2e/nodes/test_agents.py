@@ -21,7 +21,9 @@ order (the tests share one network and run in file order):
    and no frame dropped by the harness's lossless L2; a run that moves nothing fails
    with those counters and what they mean (a retry storm is not loss);
 3. a kubelet restart brings the resource back without restarting the agent;
-4. deleting the network removes the agents and leaves the nodes clean.
+4. restarted agents re-apply the marking test 2 removed (from their journals); deleting
+   the network then removes the agents and leaves the nodes clean: no rxe link, no
+   clsact or tc filter on eth0, no rdma_cm configfs directory, an empty journal.
 
 Against another cluster (METAROCE_E2E_KUBECONFIG, e.g. kind) the chart is installed
 with its operator in the cluster, and the node-level parts (tc, tcpdump, direct
@@ -538,11 +540,51 @@ def test_3_kubelet_restart_keeps_the_resource(kube: Kube, operator: None) -> Non
     assert after["metaroce_agent_device_plugin_registrations_total"] > registrations, after
 
 
+JOURNAL = f"/run/metaroce/agent/{NETWORK}/journal.json"
+
+
+def _agent_state_of(guest: Any) -> dict[str, str]:
+    """What the agent leaves on a node, as the node shows it."""
+    return {
+        "rdma link": guest.run("rdma link", check=True).stdout,
+        "qdiscs": guest.run("tc qdisc show dev eth0", check=True).stdout,
+        "egress filters": guest.run("tc filter show dev eth0 egress", check=True).stdout,
+        "rdma_cm configfs": guest.run(
+            "ls /sys/kernel/config/rdma_cm 2>/dev/null || true", check=True
+        ).stdout,
+        "journal": guest.run(f"cat {JOURNAL} 2>/dev/null || true", check=True).stdout,
+    }
+
+
 def test_4_deleting_the_network_cleans_the_nodes(kube: Kube, operator: None) -> None:
+    real = kube.real_nodes
+    guests = real.guests if real is not None else None
+    if guests is not None:
+        # test_2 removed the tc marking by hand (drift repair is off): restarted agents put
+        # it back from their journals, so that the revert below has all of it to undo
+        kube.kubectl("delete", "pods", "-n", NAMESPACE, "-l", f"metaroce.io/network={NETWORK}")
+
+        def configured() -> bool:
+            states = [_agent_state_of(g) for g in guests]
+            return all(
+                RXE in st["rdma link"]
+                and "clsact" in st["qdiscs"]
+                and "4791" in st["egress filters"]
+                and RXE in st["rdma_cm configfs"]
+                and '"entries": []' not in st["journal"]
+                for st in states
+            )
+
+        took = _wait("restarted agents re-applying the marking from their journals", configured)
+        print(f"agents restarted and re-applied in {took:.1f} s")
     kube.kubectl("delete", "metarocenetwork", NETWORK, "--wait=true", timeout=240)
     _wait("agent pods gone", lambda: not _agent_pods(kube), 240)
-    real = kube.real_nodes
-    if real is not None and real.guests is not None:
-        for g in real.guests:
-            assert "rxe" not in g.run("rdma link", check=True).stdout, g.name
-            assert "clsact" not in g.run("tc qdisc show dev eth0", check=True).stdout, g.name
+    if guests is not None:
+        for g in guests:
+            st = _agent_state_of(g)
+            assert RXE not in st["rdma link"], (g.name, st)
+            assert "clsact" not in st["qdiscs"], (g.name, st)  # the agent made it: gone
+            assert "4791" not in st["egress filters"], (g.name, st)
+            assert RXE not in st["rdma_cm configfs"], (g.name, st)
+            # every step undone: the journal is empty (or gone)
+            assert not st["journal"].strip() or json.loads(st["journal"])["entries"] == [], st

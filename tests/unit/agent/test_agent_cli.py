@@ -106,24 +106,26 @@ def test_cli_flag_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert "--metrics-port '70000': not a TCP port (0-65535)" in capsys.readouterr().err
     assert run_main(["--config", str(cfg), "--skip-knob", "tos"]) == 2
     assert "--skip-knob 'tos': not a knob: use one of" in capsys.readouterr().err
-    assert run_main(["--config", str(cfg), "--fixture-root", str(tmp_path / "nope")]) == 2
-    assert "--fixture-root" in capsys.readouterr().err
+    assert run_main(["--config", str(cfg), "--root", str(tmp_path / "nope")]) == 2
+    assert "--root" in capsys.readouterr().err
     assert run_main(["--config", str(cfg), "--device-plugin-dir", "device-plugins"]) == 2
     assert "--device-plugin-dir 'device-plugins': give an absolute path" in (
         capsys.readouterr().err
     )
 
 
-def test_cli_once_over_a_fixture_root(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # --fixture-root with the real runner: no tools touch the machine because the tree
-    # lacks what they would need; discovery works and the plan is reported
-    tree, _ = no_rdma_node(tmp_path / "root")
+def test_cli_once_prints_the_pass(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the command line over the tests' fixture host (production has no fixture mode)
+    from metaroce_agent import loop
+
+    tree, kernel = no_rdma_node(tmp_path / "root")
+    monkeypatch.setattr(loop, "Host", lambda root: FixtureHost(tree.root, runner=kernel))
     cfg = make_config(nics={"drivers": ["igb"]})
     path = tmp_path / "c.yaml"
     path.write_text(cfg.to_yaml())
-    rc = run_main(
-        ["--config", str(path), "--fixture-root", str(tree.root), "--no-report", "--once"]
-    )
+    rc = run_main(["--config", str(path), "--no-report", "--once"])
     out = capsys.readouterr().out
     assert rc == 1 and "phase Failed" in out and "allowSoftRoceFallback" in out
 
@@ -158,11 +160,16 @@ def test_doctor_with_config_checks_every_knob(node, tmp_path: Path) -> None:  # 
     assert not ex.ready and "not in the desired state: roce-tos port1 on rxe_eth0" in render(ex)
 
 
-def test_doctor_main_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    tree, _ = no_rdma_node(tmp_path / "root")
-    assert doctor_main(["--fixture-root", str(tree.root)]) == 1
+def test_doctor_main_exit_codes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from metaroce_agent import host
+
+    tree, kernel = no_rdma_node(tmp_path / "root")
+    monkeypatch.setattr(host, "Host", lambda root: FixtureHost(tree.root, runner=kernel))
+    assert doctor_main([]) == 1
     assert "NOT READY" in capsys.readouterr().out
-    assert doctor_main(["--fixture-root", str(tmp_path / "none")]) == 2
+    assert doctor_main(["--root", str(tmp_path / "none")]) == 2
 
 
 class FakeKube:
