@@ -73,7 +73,8 @@ API (all timeouts in seconds):
 - ``find_image(build=True) -> GuestImage`` runs ``hack/build-guest.sh`` (a no-op when
   cached) or takes ``$METAROCE_GUEST_IMAGE``.
 - ``GuestCluster.l2_counters() -> L2Counters`` (``kind`` "bridge" or "hub", ``frames``,
-  ``dropped``): what the private L2 carried and dropped since the cluster started.
+  ``dropped``): what the private L2 carried and dropped since the cluster started;
+  ``Guest.tx_stalls()``: how often the guest's kernel saw a NIC transmit queue stuck.
 - ``leftovers(owner_pid=None) -> list[str]``: qemu processes, L2 bridge helpers and run
   directories of this harness still present (for leak checks). ``boot_history`` lists every boot of
   this process (guest count, seconds, seconds per guest, attempts per guest).
@@ -808,6 +809,16 @@ class Guest:
         except ValueError:
             raise GuestError(f"{p} is not under the share {self.share}") from None
         return f"{GUEST_SHARE}/{rel.as_posix()}" if str(rel) != "." else GUEST_SHARE
+
+    def tx_stalls(self) -> int:
+        """How often the guest's kernel reported a NIC transmit queue stuck (NETDEV
+        WATCHDOG on its console): the emulated NIC stopped sending, which no RDMA setting
+        explains (seen once after 28 minutes of back-to-back RDMA streams under TCG)."""
+        try:
+            text = self.console_log.read_bytes().decode("utf-8", "replace")
+        except OSError:
+            return 0
+        return text.count("NETDEV WATCHDOG")
 
     def console_tail(self, lines: int = 25) -> str:
         try:

@@ -50,6 +50,7 @@ from conftest import REPO_ROOT, Kube
 from metaroce_api import constants
 from metaroce_harness import chart
 from metaroce_harness.cluster import ensure_binaries
+from metaroce_harness.guests import GuestTimeoutError
 
 sys.path.insert(0, str(REPO_ROOT / "tests" / "e2e"))
 from e2e_support import Capture, hw_counters
@@ -301,6 +302,7 @@ class LinkCounters:
         found = {f"node-1 {k}": req.get(k, 0) for k in REQUESTER_COUNTERS}
         found |= {f"node-2 {k}": resp.get(k, 0) for k in RESPONDER_COUNTERS}
         found |= {f"L2 ({l2.kind}) frames": l2.frames, f"L2 ({l2.kind}) dropped": l2.dropped}
+        found |= {f"{g.name} NIC tx stalls": g.tx_stalls() for g in self.guests}
         return found
 
     def delta(self) -> dict[str, int]:
@@ -316,6 +318,13 @@ def _diagnose(delta: dict[str, int]) -> str:
     retries = delta.get("node-1 completer_retry_err", 0)
     dupes = delta.get("node-2 duplicate_request", 0)
     dropped = sum(v for k, v in delta.items() if k.endswith("dropped"))
+    stalled = [k.split()[0] for k, v in delta.items() if k.endswith("tx stalls") and v]
+    if stalled:
+        return (
+            f"{', '.join(stalled)}: the emulated NIC stopped transmitting (NETDEV WATCHDOG on "
+            "the guest's console): a qemu/TCG stall of the guest's virtio NIC, not the "
+            "network's settings, loss or an ACK timeout"
+        )
     if dropped:
         return (
             f"the guests' L2 dropped {dropped} frame(s): RoCE's go-back-N stalls for an ACK "
@@ -374,8 +383,12 @@ def _in_pod(pods: Pods, name: str) -> tuple[Any, Any]:
         return finish
 
     def client(cmd: str) -> tuple[int, str]:
-        proc = pods.kube.kubectl("exec", "-n", POD_NAMESPACE, name, "--", "sh", "-c", cmd,
-                                 check=False, timeout=150)  # fmt: skip
+        try:
+            proc = pods.kube.kubectl("exec", "-n", POD_NAMESPACE, name, "--", "sh", "-c", cmd,
+                                     check=False, timeout=150)  # fmt: skip
+        except subprocess.TimeoutExpired as exc:  # the diagnosis below says why
+            out = exc.output.decode() if isinstance(exc.output, bytes) else str(exc.output or "")
+            return 124, f"{out}\n(kubectl exec did not return within {exc.timeout} s)"
         return proc.returncode, proc.stdout + proc.stderr
 
     return server, client
@@ -393,7 +406,11 @@ def _on_node(guest: Any) -> tuple[Any, Any]:
         return finish
 
     def client(cmd: str) -> tuple[int, str]:
-        result = guest.run(cmd, timeout=150)
+        try:
+            result = guest.run(cmd, timeout=150)
+        except GuestTimeoutError as exc:  # the diagnosis below says why
+            partial = exc.result.stdout if exc.result is not None else ""
+            return 124, f"{partial}\n(did not return within 150 s)"
         return result.returncode, result.stdout + result.stderr
 
     return server, client
@@ -441,9 +458,17 @@ def test_2_annotated_pods_move_rdma_traffic(
             assert "clsact" not in g.run("tc qdisc show dev eth0", check=True).stdout
         capture = Capture(guests[1])
 
-    client, server, timing = _pingpong(
-        pods, server_ip, ["--rounds", "4", "--size", "65536", "--bw-seconds", "4", "--depth", "1"]
-    )
+    link = LinkCounters(guests) if guests is not None else None
+    try:
+        client, server, timing = _pingpong(
+            pods, server_ip,
+            ["--rounds", "4", "--size", "65536", "--bw-seconds", "4", "--depth", "1"],
+        )  # fmt: skip
+    except AssertionError as exc:
+        if link is None:
+            raise
+        cost = link.delta()
+        raise AssertionError(f"{exc}\n{_diagnose(cost)}\ncounters: {cost}") from None
     first_byte = running + timing["first"]
     for side in (client, server):
         assert side["verified"] and side["qp_traffic_class"] == TOS, side
@@ -466,7 +491,8 @@ def test_2_annotated_pods_move_rdma_traffic(
     # ToS and ACK timeout as the injected NCCL settings say
     gid, tc, timeout = env_a["NCCL_IB_GID_INDEX"], env_a["NCCL_IB_TC"], env_a["NCCL_IB_TIMEOUT"]
     flags = f"{BW_FLAGS} -x {gid} --tclass={tc} -u {timeout}"
-    link = LinkCounters(guests) if guests is not None else None
+    if link is not None:
+        link.delta()  # from here on: ib_write_bw only
     pod_bw: list[float] = []
     node_bw: list[float] = []
     costs: list[tuple[str, dict[str, int]]] = []
