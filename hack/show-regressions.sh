@@ -17,6 +17,7 @@ tests=(
   tests/unit/agent/test_agent_fixture_mode.py   # finding 11: no silent fixture mode
   tests/unit/agent/test_agent_modules.py  # finding 6: verbs modules loaded, rdma_cm only if there
   tests/unit/agent/test_agent_probe_server.py  # finding 7 (server side): concurrent, deadlines, cap
+  tests/unit/agent/test_agent_probe_endpoint.py  # finding 9 (IPv4): no 0.0.0.0 endpoint, republished
 )
 # the tests' own fixtures (additions only) go along with them
 support=(tests/unit/agent/fakes.py tests/unit/agent/conftest.py)
