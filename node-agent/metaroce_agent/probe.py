@@ -428,6 +428,19 @@ def _ud_burst(ep: Endpoint) -> int:
 # --- the agent's prober ----------------------------------------------------------------------
 
 
+def _probeable(endpoint: str) -> bool:
+    """A peer's published `<ip>:<port>` names a real remote address: not unspecified
+    (0.0.0.0 would reach the prober's own host) and not loopback."""
+    import ipaddress
+
+    host, _, port = endpoint.rpartition(":")
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return port.isdigit() and not (ip.is_unspecified or ip.is_loopback)
+
+
 def choose_peers(me: str, endpoints: dict[str, str], k: int) -> list[str]:
     """The next k nodes after `me` in name order (a ring)."""
     ring = sorted(set(endpoints) | {me})
@@ -480,7 +493,7 @@ class Prober:
         kube: KubeClient,
         network: str,
         node: str,
-        address: Callable[[], str],
+        address: Callable[[], str | None],
         port: int,
         local: Callable[[], Local | None],
         publish: Callable[[str], None],
@@ -505,9 +518,11 @@ class Prober:
         self.max_latency_us = max_latency_us
         self.max_loss = max_loss
         self.server: ProbeServer | None = None
+        self.served_address: str | None = None
         self._stop = threading.Event()
         self._verdict: tuple[Any, ...] | None = None
         self.rounds = 0
+        self._serving = threading.Lock()
 
     @classmethod
     def for_agent(cls, agent: Any) -> Prober:
@@ -528,13 +543,15 @@ class Prober:
                 return None
             return Local(td.rdma_device, td.port, gid.index, agent.config.qos.data.dscp << 2)
 
-        def address() -> str:
+        def address() -> str | None:
+            """The RDMA netdev's IPv4 address; None while it has none (never 0.0.0.0:
+            peers would probe their own host). IPv6-only networks are not served yet."""
             plan = agent.state.plan
             if plan and plan.netdevs:
                 nd = agent.state.inventory.netdev(plan.netdevs[0])
                 if nd and nd.ipv4:
                     return str(nd.ipv4[0].split("/")[0])
-            return "0.0.0.0"
+            return None
 
         def publish(endpoint: str) -> None:
             if agent.writer is not None:
@@ -558,22 +575,40 @@ class Prober:
         )
 
     def start(self) -> None:
-        """Listen on the RDMA netdev's address (known after the first apply pass)."""
-        address = self.address()
-        try:
-            self.server = ProbeServer(address, self.port, self.local)
-        except OSError as e:
-            log.error(
-                "probe server cannot listen on %s:%d: %s; no probes from this node. If another "
-                "network's agent runs here, give one of the two another spec.agent.probePort",
-                address, self.port, e,
-            )  # fmt: skip
-            return
-        threading.Thread(target=self.server.serve, name="probe-server", daemon=True).start()
-        self.publish(f"{address}:{self.server.port}")
+        """Serve on the RDMA netdev's address (once it has one) and run the rounds."""
+        self.refresh()
         threading.Thread(target=self._loop, name="probe-rounds", daemon=True).start()
-        log.info("probe: serving on %s:%d, %d peer(s) every %.0f s", address,
-                 self.server.port, self.peers, self.interval)  # fmt: skip
+        log.info("probe: %d peer(s) every %.0f s", self.peers, self.interval)
+
+    def refresh(self) -> None:
+        """(Re)listen and (re)publish when the netdev's address appeared or changed;
+        publish nothing while it has none. Called at start and before every round."""
+        with self._serving:
+            address = self.address()
+            if address == self.served_address and (address is None or self.server):
+                return
+            if self.server is not None:
+                self.server.stop()
+                self.server = None
+            self.served_address = address
+            if address is None:
+                log.warning("probe: the RDMA netdev has no IPv4 address yet: not serving")
+                self.publish("")
+                return
+            try:
+                self.server = ProbeServer(address, self.port, self.local)
+            except OSError as e:
+                log.error(
+                    "probe server cannot listen on %s:%d: %s; no probes from this node. If "
+                    "another network's agent runs here, give one of the two another "
+                    "spec.agent.probePort",
+                    address, self.port, e,
+                )  # fmt: skip
+                self.served_address = None
+                return
+            threading.Thread(target=self.server.serve, name="probe-server", daemon=True).start()
+            self.publish(f"{address}:{self.server.port}")
+            log.info("probe: serving on %s:%d", address, self.server.port)
 
     def stop(self) -> None:
         self._stop.set()
@@ -591,11 +626,12 @@ class Prober:
             ep = ((item.get("metadata") or {}).get("annotations") or {}).get(
                 constants.PROBE_ENDPOINT_ANNOTATION
             )
-            if node and ep and node != self.node:
+            if node and ep and node != self.node and _probeable(str(ep)):
                 out[str(node)] = str(ep)
         return out
 
     def round(self) -> ProbeSummary | None:
+        self.refresh()
         local = self.local()
         if local is None:
             return None
