@@ -271,7 +271,7 @@ class Agent:
                 where = f"apply {result.failed_step.name}" if result.failed_step else "apply"
                 rolled = ", ".join(result.rolled_back) or "nothing"
                 errors.append(
-                    (where, f"{result.error}; restored the last verified state of: {rolled}")
+                    (where, f"{result.error}; rolled back to the last verified state: {rolled}")
                 )
                 errors += [("rollback", e) for e in result.undo_errors]
             else:
@@ -290,8 +290,8 @@ class Agent:
                     "devices, ports or addresses change"
                 )
                 log.warning("apply pass: %s", note)
-                if not result.ok:
-                    errors.insert(0, ("retry", note))
+                if not result.ok:  # after the failure itself, which stays the first error
+                    errors.append(("retry", note))
             errors += [(p.where, p.message) for p in st.plan.problems]
             if self.engine.journal.problem:
                 errors.append(("journal", self.engine.journal.problem))
