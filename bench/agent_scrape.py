@@ -19,10 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "unit" / "agent"))
 
-from fakes import MLX5_HW_COUNTERS, SysfsTree
+from fakes import MLX5_HW_COUNTERS, FixtureHost, SysfsTree
 
 from metaroce_agent.exporter import AgentMetrics, RdmaCounterCollector
-from metaroce_agent.host import Host
 
 BUDGET_MS = 50.0
 
@@ -54,7 +53,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tree = build(Path(tmp), args.devices)
         metrics = AgentMetrics("bench", "node-1")
-        metrics.add_rdma_collector(RdmaCounterCollector(Host(tree.root), "bench"))
+        metrics.add_rdma_collector(RdmaCounterCollector(FixtureHost(tree.root), "bench"))
         body = metrics.render()  # warm-up, and the size
         samples = sum(1 for line in body.decode().splitlines() if line and line[0] != "#")
         times = []

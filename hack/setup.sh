@@ -11,7 +11,7 @@ die() { printf '[setup] ERROR: %s\n' "$*" >&2; exit 1; }
 [[ $(id -u) -eq 0 ]] || die "run as root: the harness creates network namespaces and installs packages"
 
 # --- host packages ------------------------------------------------------------------
-packages=(iproute2 kmod procps qemu-system-x86 debootstrap cpio zstd xz-utils dpkg-dev)
+packages=(iproute2 kmod procps util-linux qemu-system-x86 debootstrap cpio zstd xz-utils dpkg-dev shellcheck)
 # The MetaRoCE transport's tests and benchmarks: real libfabric clients, Open MPI,
 # mpi4py, nftables for the namespace fabric, iperf3 for its capacity.
 packages+=(libfabric-dev libfabric-bin openmpi-bin libopenmpi-dev python3-mpi4py nftables iperf3)

@@ -4,9 +4,17 @@ Each guest is a qemu (TCG) machine booted from the image that ``hack/build-guest
 builds (Debian's ELF ``vmlinux``, a tiny initramfs and a Debian root with rdma-core,
 pyverbs, perftest and tcpdump). Every guest gets:
 
-- ``eth0`` on a private L2 shared by all guests of a cluster: qemu ``-netdev dgram`` over
-  unix datagram sockets, joined by a small learning switch in this process (``_Hub``);
-  no multicast, no host address. Guest ``node-N`` has ``192.168.77.(10+N)/24``.
+- ``eth0`` on a private L2 shared by all guests of a cluster: a lossless link, because
+  RoCE's go-back-N turns every lost frame into a stall. Each guest gets a tap device on
+  a kernel bridge inside a network namespace of the harness's own (``_Bridge``: a small
+  helper process holds the namespace; the tap file descriptors are handed to qemu,
+  which keeps its user networking in the host namespace). Where a namespace or
+  ``/dev/net/tun`` is not available (not root), the harness says so and falls back to
+  ``_Hub``, a learning switch in this process between qemu ``-netdev dgram`` unix
+  sockets. Either way ``GuestCluster.l2_counters()`` counts frames and drops, so a test
+  can assert that a lossless arm lost nothing; loss belongs only where a test injects
+  it (netem in a guest). No multicast, no host address. Guest ``node-N`` has
+  ``192.168.77.(10+N)/24``.
 - ``eth1`` on qemu user-mode networking (``10.0.2.15/24``, default route via
   ``10.0.2.2``), so the guest reaches the host's loopback services at ``10.0.2.2``.
 - the repository shared read-only over 9p at ``/share`` and the guest's Python
@@ -64,8 +72,11 @@ API (all timeouts in seconds):
   ``console_log`` (the serial console, named in every error), ``boot_seconds``.
 - ``find_image(build=True) -> GuestImage`` runs ``hack/build-guest.sh`` (a no-op when
   cached) or takes ``$METAROCE_GUEST_IMAGE``.
-- ``leftovers(owner_pid=None) -> list[str]``: qemu processes and run directories of
-  this harness still present (for leak checks). ``boot_history`` lists every boot of
+- ``GuestCluster.l2_counters() -> L2Counters`` (``kind`` "bridge" or "hub", ``frames``,
+  ``dropped``): what the private L2 carried and dropped since the cluster started;
+  ``Guest.tx_stalls()``: how often the guest's kernel saw a NIC transmit queue stuck.
+- ``leftovers(owner_pid=None) -> list[str]``: qemu processes, L2 bridge helpers and run
+  directories of this harness still present (for leak checks). ``boot_history`` lists every boot of
   this process (guest count, seconds, seconds per guest, attempts per guest).
 
 Cleanup: ``close()`` (also from ``__exit__``, from ``atexit`` and on SIGTERM/SIGHUP,
@@ -332,6 +343,137 @@ def _spawn(argv: list[str], **kw: Any) -> subprocess.Popen[bytes]:
 
 # --- the private L2 ------------------------------------------------------------------
 
+BRIDGE_MARKER = "metaroce-l2-bridge"  # in the helper's argv, for leftovers()
+# Frames a tap queues for a guest that is not reading (a TCG guest stalls for tens of
+# milliseconds under load): the kernel's default of 1000 is a few milliseconds of a
+# busy RDMA stream.
+TAP_QUEUE_LEN = 10000
+
+# The helper runs in a new network namespace (`unshare --net`): it makes the bridge and
+# one tap per guest, sends the taps' file descriptors back over the socket it inherited
+# (argv: marker, run dir, guest count, socket fd, tap queue length, owner), then holds
+# the namespace until that socket closes. It needs only the standard library and iproute2.
+_BRIDGE_HELPER = r"""
+import fcntl, os, socket, struct, subprocess, sys
+_, run_dir, count, fd = sys.argv[1:5]
+sock = socket.socket(fileno=int(fd))
+def ip(*args):
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+try:
+    try:  # no IPv6 link-local chatter from the bridge or the taps on the guests' L2
+        with open("/proc/sys/net/ipv6/conf/default/disable_ipv6", "w") as f:
+            f.write("1")
+    except OSError:
+        pass
+    ip("link", "add", "br0", "type", "bridge", "stp_state", "0")
+    taps = []
+    for i in range(int(count)):
+        tap = os.open("/dev/net/tun", os.O_RDWR)
+        # TUNSETIFF with IFF_TAP | IFF_NO_PI: an Ethernet tap without packet info
+        fcntl.ioctl(tap, 0x400454CA, struct.pack("16sH", b"tap%d" % i, 0x0002 | 0x1000))
+        ip("link", "set", "tap%d" % i, "txqueuelen", sys.argv[5], "master", "br0", "up")
+        taps.append(tap)
+    ip("link", "set", "br0", "up")
+    socket.send_fds(sock, [b"ok"], taps)
+except Exception as exc:
+    detail = getattr(exc, "stderr", "") or ""
+    sock.sendall(("error: %s %s" % (exc, detail)).encode()[:4000])
+    sys.exit(1)
+sock.recv(1)  # returns when the harness closes its end (or dies)
+"""
+
+
+@dataclass(frozen=True)
+class L2Counters:
+    """What the guests' private L2 carried and dropped since the cluster started."""
+
+    kind: str  # "bridge" (kernel bridge of taps) or "hub" (unix datagram fallback)
+    frames: int
+    dropped: int
+
+    def describe(self) -> str:
+        return f"L2 ({self.kind}): {self.frames} frames, {self.dropped} dropped"
+
+
+class _Bridge:
+    """The guests' private L2: taps on a kernel bridge in a network namespace of its own."""
+
+    def __init__(self, run_dir: Path, count: int) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock = ours
+        argv = [
+            "unshare", "--net", "--", sys.executable, "-c", _BRIDGE_HELPER, BRIDGE_MARKER,
+            str(run_dir), str(count), str(theirs.fileno()), str(TAP_QUEUE_LEN),
+            f"metaroce-owner={os.getpid()}",
+        ]  # fmt: skip
+        try:
+            self.proc = _spawn(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                pass_fds=(theirs.fileno(),),
+            )
+        finally:
+            theirs.close()
+        ours.settimeout(30)
+        try:
+            msg, fds, _, _ = socket.recv_fds(ours, 4096, count)
+        except OSError as exc:
+            self.close()
+            raise GuestError(f"the L2 bridge helper did not answer: {exc}") from exc
+        if msg != b"ok" or len(fds) != count:
+            for fd in fds:
+                os.close(fd)
+            err = self.proc.stderr.read().decode() if self.proc.stderr else ""
+            self.close()
+            raise GuestError(f"the L2 bridge helper failed: {msg.decode()} {err}".strip())
+        for fd in fds:  # only the qemu of each tap gets it (pass_fds)
+            os.set_inheritable(fd, False)
+        self.tap_fds = fds
+
+    def counters(self) -> L2Counters:
+        """Frames the guests sent into the bridge and every drop of the taps: a tap drops
+        towards a guest whose queue of TAP_QUEUE_LEN is full, or from a guest when the
+        kernel's backlog is. (The bridge's own local stack, which no guest talks to, is
+        left out: it discards what it has no protocol for.)"""
+        frames = dropped = 0
+        text = Path(f"/proc/{self.proc.pid}/net/dev").read_text()
+        for line in text.splitlines()[2:]:
+            name, _, data = line.partition(":")
+            fields = data.split()
+            if not name.strip().startswith("tap") or len(fields) < 12:
+                continue
+            # receive: bytes packets errs drop ... (8 fields), transmit: bytes packets errs drop
+            frames += int(fields[1])
+            dropped += int(fields[3]) + int(fields[11])
+        return L2Counters("bridge", frames, dropped)
+
+    def close(self) -> None:
+        for fd in getattr(self, "tap_fds", []):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.tap_fds = []
+        self._sock.close()
+        with contextlib.suppress(Exception):
+            self.proc.wait(timeout=5)
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()
+
+
+def _bridge_unavailable() -> str | None:
+    """Why the tap bridge cannot be made here, or None."""
+    if os.geteuid() != 0:
+        return "not root (a network namespace and taps need root)"
+    if not Path("/dev/net/tun").exists():
+        return "/dev/net/tun is missing (modprobe tun)"
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        return "unshare (util-linux) or ip (iproute2) is not installed"
+    return None
+
 
 class _Hub:
     """A learning Ethernet switch between qemu ``-netdev dgram`` unix sockets."""
@@ -388,6 +530,9 @@ class _Hub:
                 self.out.sendto(frame, target)
             except OSError:  # that guest is not up (yet) or stays full: a drop
                 self.dropped += 1
+
+    def counters(self) -> L2Counters:
+        return L2Counters("hub", self.frames, self.dropped)
 
     def close(self) -> None:
         self._stop.set()
@@ -665,6 +810,16 @@ class Guest:
             raise GuestError(f"{p} is not under the share {self.share}") from None
         return f"{GUEST_SHARE}/{rel.as_posix()}" if str(rel) != "." else GUEST_SHARE
 
+    def tx_stalls(self) -> int:
+        """How often the guest's kernel reported a NIC transmit queue stuck (NETDEV
+        WATCHDOG on its console): the emulated NIC stopped sending, which no RDMA setting
+        explains (seen once after 28 minutes of back-to-back RDMA streams under TCG)."""
+        try:
+            text = self.console_log.read_bytes().decode("utf-8", "replace")
+        except OSError:
+            return 0
+        return text.count("NETDEV WATCHDOG")
+
     def console_tail(self, lines: int = 25) -> str:
         try:
             text = self.console_log.read_bytes().decode("utf-8", "replace")
@@ -762,7 +917,8 @@ def _sweep_stale_run_dirs() -> None:
 
 
 def leftovers(owner_pid: int | None = None) -> list[str]:
-    """qemu processes and run directories of the harness (of ``owner_pid`` if given)."""
+    """qemu processes, L2 bridge helpers and run directories of the harness (of
+    ``owner_pid`` if given)."""
     found: list[str] = []
     dirs = []
     for d in RUN_DIR_PARENT.glob(RUN_DIR_PREFIX + "*"):
@@ -780,7 +936,8 @@ def leftovers(owner_pid: int | None = None) -> list[str]:
             argv = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if not argv or b"qemu-system" not in argv[0]:
+        helper = BRIDGE_MARKER.encode() in argv
+        if not argv or (b"qemu-system" not in argv[0] and not helper):
             continue
         line = b" ".join(argv).decode("utf-8", "replace")
         if RUN_DIR_PREFIX not in line:
@@ -790,7 +947,11 @@ def leftovers(owner_pid: int | None = None) -> list[str]:
             marker = f"metaroce-owner={owner_pid}"
             if marker not in line:
                 continue
-        found.append(f"qemu pid {proc.name}: {_short(line, 200)}")
+        if helper:  # its argv starts with the helper's script: show what follows it
+            line = line[line.find(BRIDGE_MARKER) :]
+        found.append(
+            f"{'L2 bridge helper' if helper else 'qemu'} pid {proc.name}: {_short(line, 200)}"
+        )
     return found
 
 
@@ -853,7 +1014,7 @@ class GuestCluster:
         self.run_dir: Path | None = None
         self.guests: list[Guest] = []
         self.boot_seconds = 0.0
-        self._hub: _Hub | None = None
+        self._l2: _Bridge | _Hub | None = None
         self._closed = False
         self._started = False
 
@@ -930,7 +1091,7 @@ class GuestCluster:
                     share=self.share,
                 )
             )
-        self._hub = _Hub(self.run_dir / "hub.l2", [g.l2_socket for g in self.guests])
+        self._l2 = self._make_l2()
         log.info(
             "booting %d guest(s) (%d MiB, %d vCPU each, TCG), logs in %s",
             self.count,
@@ -955,6 +1116,36 @@ class GuestCluster:
             self.count,
             self.boot_seconds,
             ", ".join(f"{g.name} {g.boot_seconds:.1f} s" for g in self.guests),
+        )
+
+    def _make_l2(self) -> _Bridge | _Hub:
+        assert self.run_dir is not None
+        why = _bridge_unavailable()
+        if why is None:
+            try:
+                return _Bridge(self.run_dir, self.count)
+            except GuestError as exc:
+                why = str(exc)
+        log.warning(
+            "the guests' L2 is the unix-datagram hub, not the lossless tap bridge: %s; "
+            "RDMA over it may stall on dropped frames (l2_counters() counts them)",
+            why,
+        )
+        return _Hub(self.run_dir / "hub.l2", [g.l2_socket for g in self.guests])
+
+    def l2_counters(self) -> L2Counters:
+        """Frames and drops of the guests' private L2 since the cluster started."""
+        if self._l2 is None:
+            raise GuestError("the cluster is not running")
+        return self._l2.counters()
+
+    def _l2_netdev(self, g: Guest) -> str:
+        if isinstance(self._l2, _Bridge):
+            return f"tap,id=l2,fd={self._l2.tap_fds[g.index]}"
+        assert self.run_dir is not None
+        return (
+            f"dgram,id=l2,local.type=unix,local.path={g.l2_socket},"
+            f"remote.type=unix,remote.path={self.run_dir / 'hub.l2'}"
         )
 
     def _qemu_argv(self, g: Guest) -> list[str]:
@@ -993,9 +1184,7 @@ class GuestCluster:
             "-append", " ".join(cmdline),
             "-serial", f"file:{g.console_log}",
             "-device", "virtio-rng-pci",
-            "-netdev",
-            f"dgram,id=l2,local.type=unix,local.path={g.l2_socket},"
-            f"remote.type=unix,remote.path={self.run_dir / 'hub.l2'}",
+            "-netdev", self._l2_netdev(g),
             "-device", f"virtio-net-pci,netdev=l2,mac={g.mac},romfile=",
             "-netdev", ",".join(["user,id=wan,net=10.0.2.0/24", *hostfwd]),
             "-device",
@@ -1037,7 +1226,8 @@ class GuestCluster:
         with open(g.qemu_log, "ab") as qlog:
             qlog.write(f"# attempt {g.attempts}: {shlex.join(argv)}\n".encode())
             qlog.flush()
-            g.proc = _spawn(argv, stdin=subprocess.DEVNULL, stdout=qlog, stderr=qlog)
+            fds = (self._l2.tap_fds[g.index],) if isinstance(self._l2, _Bridge) else ()
+            g.proc = _spawn(argv, stdin=subprocess.DEVNULL, stdout=qlog, stderr=qlog, pass_fds=fds)
         g.started_at = time.monotonic()
         log.info("%s: qemu pid %d (attempt %d)", g.name, g.proc.pid, g.attempts)
 
@@ -1126,9 +1316,9 @@ class GuestCluster:
                 for g in self.guests:
                     with contextlib.suppress(Exception):
                         self._kill(g)
-                if self._hub is not None:
-                    self._hub.close()
-                    self._hub = None
+                if self._l2 is not None:
+                    self._l2.close()
+                    self._l2 = None
             finally:
                 if self.run_dir is not None:
                     shutil.rmtree(self.run_dir, ignore_errors=True)

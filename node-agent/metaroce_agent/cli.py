@@ -63,6 +63,20 @@ def _node_name(flag: str | None) -> str:
     return flag or os.environ.get("NODE_NAME") or socket.gethostname()
 
 
+def _root_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--root", default="/", help="the node's root: only / (the default)")
+
+
+def _root(args: argparse.Namespace) -> Path:
+    """The root (only /), or UsageError naming the fix."""
+    if args.root != "/":
+        raise UsageError(
+            f"--root {args.root!r}: the agent works on the node itself (/); there is no "
+            "fixture mode (fixture trees are for the unit tests, through their FixtureHost)"
+        )
+    return Path("/")
+
+
 def agent_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="metaroce agent",
@@ -72,7 +86,7 @@ def agent_parser() -> argparse.ArgumentParser:
         "--config", required=True, help="agent config (the ConfigMap's agent-config.yaml)"
     )
     p.add_argument("--node-name", help="this node's name (default: $NODE_NAME, else the hostname)")
-    p.add_argument("--root", default="/", help="host root for sysfs/configfs/proc (default /)")
+    _root_arguments(p)
     p.add_argument("--kubeconfig", help="kubeconfig (default: $KUBECONFIG, else in-cluster)")
     p.add_argument("--no-report", action="store_true", help="do not write the NodeState")
     p.add_argument("--metrics-address", default="0.0.0.0")
@@ -127,9 +141,7 @@ def run_main(argv: list[str]) -> int:
             raise UsageError(
                 f"--skip-knob {unknown[0]!r}: not a knob: use one of {', '.join(QOS_KNOBS)}"
             )
-        root = Path(args.root)
-        if not root.is_dir():
-            raise UsageError(f"--root {args.root!r}: no such directory: pass / on a real node")
+        root = _root(args)
         metrics_port = (
             None
             if args.no_metrics
@@ -221,7 +233,7 @@ def doctor_parser() -> argparse.ArgumentParser:
         "Exits 1 when the node is not ready.",
     )
     p.add_argument("--config", help="an agent config: also check the network's knobs")
-    p.add_argument("--root", default="/", help="host root (default /)")
+    _root_arguments(p)
     p.add_argument("--node-name")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--require-pyverbs", action="store_true")
@@ -237,14 +249,16 @@ def doctor_main(argv: list[str]) -> int:
     args = doctor_parser().parse_args(argv)
     setup_logging("debug" if args.verbose else "error")
     try:
-        if not Path(args.root).is_dir():
-            raise UsageError(f"--root {args.root!r}: no such directory: pass / on a real node")
+        root = _root(args)
         cfg = load_config(Path(args.config)) if args.config else None
     except (UsageError, ConfigError) as e:
         print(f"metaroce doctor: {e}", file=sys.stderr)
         return 2
     ex = examine(
-        Host(args.root), cfg, _node_name(args.node_name), require_pyverbs=args.require_pyverbs
+        Host(root),
+        cfg,
+        _node_name(args.node_name),
+        require_pyverbs=args.require_pyverbs,
     )
     print(to_json(ex) if args.json else render(ex))
     return 0 if ex.ready else 1

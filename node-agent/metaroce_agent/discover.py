@@ -3,7 +3,7 @@
 pyverbs gives the device attributes, port state, active MTU and the GID table with each
 entry's type (RoCE v1/v2); sysfs gives the netdev, PCI ids, driver, NUMA node and link
 speed. Where pyverbs cannot be imported (the host's own Python has no Debian
-dist-packages) or the root is a fixture tree, the verbs side is read from sysfs instead
+dist-packages) or the host is the tests' fixture host, the verbs side is read from sysfs instead
 and the inventory says so (`Inventory.source`, `Inventory.warnings`). In the guests and
 the agent image pyverbs is there and used; `require_pyverbs=True` makes its absence an
 error.
@@ -22,7 +22,36 @@ from metaroce_agent.host import Host
 log = logging.getLogger("metaroce.agent.discover")
 
 RoceType = Literal["RoCE v2", "IB/RoCE v1", "IB", "unknown"]
-RdmaKind = Literal["hardware", "softroce"]
+RdmaKind = Literal["hardware", "softroce", "software"]
+"""`softroce`: an rxe device; `software`: another software device (siw, a MetaRoCE
+device), which the agent neither adopts as an rxe link nor counts as hardware RoCE."""
+
+RXE_VENDOR_ID = "0xffffff"
+"""The verbs vendor id rdma_rxe reports."""
+SOFTWARE_DRIVERS = {"rxe": "rxe", "Software iWARP stack": "siw"}
+"""Node descriptions that software RDMA drivers set (rxe: "rxe", siw: a fixed text)."""
+
+
+def rdma_driver(
+    node_desc: str | None, has_parent: bool, vendor_id: str | None, device_driver: str | None
+) -> tuple[RdmaKind, str | None]:
+    """An RDMA device's kind and driver from what sysfs and verbs show of it.
+
+    rxe is the only driver with a `parent` attribute, describes its node as "rxe" and
+    reports vendor id 0xffffff; siw describes itself and links to the NIC's own device
+    (so a device link alone does not make hardware); a hardware device's driver is the
+    one bound to its device. Anything else without a device link is another software
+    device, driver unknown."""
+    desc = (node_desc or "").strip()
+    if has_parent or desc == "rxe" or vendor_id == RXE_VENDOR_ID:
+        return "softroce", "rxe"
+    for prefix, driver in SOFTWARE_DRIVERS.items():
+        if desc.startswith(prefix):
+            return "software", driver
+    if device_driver:
+        return "hardware", device_driver
+    return "software", None
+
 
 PORT_STATES = {0: "NOP", 1: "DOWN", 2: "INIT", 3: "ARMED", 4: "ACTIVE", 5: "ACTIVE_DEFER"}
 IB_MTU = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}
@@ -93,6 +122,8 @@ class RdmaDevice:
     vendor_part_id: str | None = None
     uverbs: str | None = None
     """The verbs char device, e.g. uverbs0 (/dev/infiniband/uverbs0)."""
+    driver: str | None = None
+    """rxe, siw, mlx5_core, ... (None: a software device of an unknown driver)."""
 
     def port(self, num: int = 1) -> Port | None:
         return next((p for p in self.ports if p.num == num), None)
@@ -121,6 +152,8 @@ class Inventory:
     rdma_devices: tuple[RdmaDevice, ...] = ()
     source: Literal["pyverbs", "sysfs"] = "sysfs"
     warnings: tuple[str, ...] = ()
+    rdma_cm: bool = False
+    """/dev/infiniband/rdma_cm exists (rdma_ucm is loaded): pods may be given it."""
 
     def netdev(self, name: str) -> NetDevice | None:
         return next((n for n in self.netdevs if n.name == name), None)
@@ -396,11 +429,11 @@ def _ifindex_names(host: Host) -> dict[int, str]:
 def verbs_backend(host: Host, *, require_pyverbs: bool = False) -> tuple[VerbsBackend, list[str]]:
     """The backend to use, and warnings about the choice.
 
-    A fixture root always reads sysfs (pyverbs sees only the real kernel). On the real
-    root, pyverbs is used when importable; otherwise sysfs with a warning, or an error
-    when `require_pyverbs`.
+    A host without the kernel (the tests' fixture host) is read from sysfs: pyverbs sees
+    only the real kernel. On the node, pyverbs is used when importable; otherwise sysfs
+    with a warning, or an error when `require_pyverbs`.
     """
-    if not host.is_real:
+    if not host.uses_kernel:
         return SysfsVerbs(host), []
     try:
         return PyverbsBackend(host), []
@@ -517,16 +550,31 @@ def discover(host: Host, *, require_pyverbs: bool = False) -> Inventory:
         netdevs.append(nd)
     by_name = {n.name: n for n in netdevs}
     devices = []
-    for name in backend.devices():
+    listed = backend.devices()
+    # a device verbs cannot list (ib_uverbs not loaded) is still the node's: read it from
+    # sysfs, without a verbs device, so the plan can say what is missing
+    unlisted = [n for n in host.listdir("/sys/class/infiniband") if n not in listed]
+    for name in unlisted:
+        warnings.append(
+            f"RDMA device {name} is not visible through {backend.source} (no verbs device: "
+            "is ib_uverbs loaded?): read from sysfs"
+        )
+        log.warning("%s", warnings[-1])
+    for name in [*listed, *unlisted]:
         try:
-            vd = backend.query(name)
+            vd = backend.query(name) if name in listed else SysfsVerbs(host).query(name)
         except Exception as e:  # a device that vanished or cannot be opened
             warnings.append(f"cannot query RDMA device {name} through {backend.source}: {e}")
             log.warning("%s", warnings[-1])
             continue
         base = f"/sys/class/infiniband/{name}"
         netdev = _rdma_netdev(host, name, vd.ports)
-        software = not host.exists(f"{base}/device") or host.exists(f"{base}/parent")
+        kind, driver = rdma_driver(
+            host.read_opt(f"{base}/node_desc"),
+            host.exists(f"{base}/parent"),
+            vd.vendor_id,
+            host.readlink_name(f"{base}/device/driver") if host.exists(f"{base}/device") else None,
+        )
         parent_nd = by_name.get(netdev or "")
         ports = []
         for vp in vd.ports:
@@ -558,7 +606,8 @@ def discover(host: Host, *, require_pyverbs: bool = False) -> Inventory:
         devices.append(
             RdmaDevice(
                 name=name,
-                kind="softroce" if software else "hardware",
+                kind=kind,
+                driver=driver,
                 netdev=netdev,
                 ports=tuple(ports),
                 node_guid=vd.node_guid,
@@ -573,6 +622,7 @@ def discover(host: Host, *, require_pyverbs: bool = False) -> Inventory:
         rdma_devices=tuple(devices),
         source=backend.source,
         warnings=tuple(warnings),
+        rdma_cm=host.exists("/dev/infiniband/rdma_cm"),
     )
     log.info(
         "discovered %d netdevs, %d RDMA devices (%s) through %s",

@@ -1,19 +1,28 @@
 """Apply with verify and rollback; drift repair; revert. Side effects live here.
 
 The engine keeps a journal (`/run/metaroce/agent/<network>/journal.json`, through `Host`) of
-every step it applied with the snapshot taken before the agent first touched the knob.
+every step it applied with the snapshot taken before the agent first touched the knob,
+and the step as the last pass that verified left it (the configuration running jobs use).
 The journal outlives the agent process (a rollout restarts the agent but leaves the node
 configured), so a later process can verify, repair and, when the network is deleted
 with cleanupOnDelete, undo exactly what was done, restoring what was there before.
 
 - `apply(plan)`: steps in order; each is snapshotted (unless the journal already holds
   its original snapshot), applied and read back. The first step that fails (apply raises
-  or the read-back differs) stops the pass: it and every step before it are undone in
-  reverse order, the journal is cleared of them, and the result names the failed step
-  and why. Journal entries whose step is no longer planned (a knob the new config drops)
-  are undone first.
+  or the read-back differs) stops the pass and restores the last verified state: the
+  steps this pass changed, the failed one included, go back in reverse order to their
+  last verified value (a step that was never verified goes back to its original
+  snapshot and leaves the journal); steps this pass did not change are not touched; the
+  result names the failed step and why. Journal entries whose step is no longer
+  planned (a knob the new config drops) are undone only once the whole pass verified.
 - `drift(plan)`: reads every journaled step back; re-applies what differs and counts it.
 - `revert()`: undoes the whole journal in reverse; entries that fail stay journaled.
+
+The journal is written atomically (temporary file, fsync, rename, fsync of the
+directory). One that cannot be read is moved aside (`journal.json.corrupt-<time>`, for
+a human) and never silently replaced by snapshots of the agent's own values: every step
+the agent journals afresh while a journal was lost is marked `originalKnown: false`, and
+a revert leaves such knobs as applied and says so, knob by knob.
 """
 
 from __future__ import annotations
@@ -36,10 +45,25 @@ STATE_DIR = "/run/metaroce/agent"
 @dataclass
 class JournalEntry:
     step: Step
+    """The step as last applied (by a pass that may not have finished)."""
     snapshot: Json
+    """The knob before the agent first touched it."""
+    verified: Step | None
+    """The step as the last pass that verified left it; None when no pass that planned it
+    has verified yet."""
+    original_known: bool = True
+    """False when the snapshot was taken after a journal was lost: it may be the agent's
+    own earlier value, so a revert must not put it back as the node's original."""
 
     def to_json(self) -> dict[str, Json]:
-        return {**self.step.record(), "id": self.step.id, "snapshot": self.snapshot}
+        verified = None if self.verified is None else self.verified.record()
+        return {
+            **self.step.record(),
+            "id": self.step.id,
+            "snapshot": self.snapshot,
+            "verified": verified,
+            "originalKnown": self.original_known,
+        }
 
 
 class Journal:
@@ -49,28 +73,61 @@ class Journal:
         self.host = host
         self.path = f"{state_dir}/{network}/journal.json"
         self.entries: dict[str, JournalEntry] = {}
+        self.problem = ""
+        """Why the journal on disk could not be read (it was moved aside), or empty."""
         self.load()
+
+    @property
+    def originals_lost(self) -> bool:
+        return bool(self.problem)
 
     def load(self) -> None:
         text = self.host.read_opt(self.path)
         self.entries = {}
-        if not text:
+        if text is None:
             return
         try:
             data = json.loads(text)
             for raw in data.get("entries", []):
                 step = step_from_record(raw)
-                self.entries[step.id] = JournalEntry(step, raw.get("snapshot"))
-        except (ValueError, TypeError, StepError) as e:
-            log.error("journal %s is unreadable (%s): starting a new one", self.path, e)
+                # journals before "verified" hold only what verified passes left
+                record = raw.get("verified", raw)
+                verified = None if record is None else step_from_record(record)
+                was = {v.id: v for v, _ in verified.split(None)} if verified is not None else {}
+                known = bool(raw.get("originalKnown", True))
+                for part, snapshot in step.split(raw.get("snapshot")):
+                    entry = JournalEntry(part, snapshot, was.get(part.id), known)
+                    self.entries[part.id] = entry
+        except (ValueError, TypeError, KeyError, AttributeError, StepError) as e:
+            aside = f"{self.path}.corrupt-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}"
+            self.problem = (
+                f"journal {self.path} is unreadable ({e}); moved to {aside}: the node's "
+                "original values of the knobs it listed are lost, so knobs journaled from now "
+                "on are marked originalKnown: false and a revert leaves them as applied"
+            )
+            log.error("%s", self.problem)
             self.entries = {}
+            try:
+                self.host.rename(self.path, aside)
+            except Exception as move_error:
+                log.error("cannot move the unreadable journal aside: %s", move_error)
 
     def save(self) -> None:
         body = {"version": 1, "entries": [e.to_json() for e in self.entries.values()]}
         self.host.write_atomic(self.path, json.dumps(body, indent=1, sort_keys=True))
 
-    def put(self, step: Step, snapshot: Json) -> None:
-        self.entries[step.id] = JournalEntry(step, snapshot)
+    def put(
+        self, step: Step, snapshot: Json, verified: Step | None, original_known: bool = True
+    ) -> None:
+        self.entries[step.id] = JournalEntry(step, snapshot, verified, original_known)
+        self.save()
+
+    def commit(self, steps: list[Step]) -> None:
+        """Mark `steps` (a pass that verified) as the last verified state."""
+        for step in steps:
+            entry = self.entries.get(step.id)
+            if entry is not None:
+                entry.verified = entry.step
         self.save()
 
     def drop(self, step_id: str) -> None:
@@ -109,6 +166,8 @@ class DriftResult:
 class RevertResult:
     undone: list[str] = field(default_factory=list)
     errors: list[tuple[str, str]] = field(default_factory=list)
+    left: list[tuple[str, str]] = field(default_factory=list)
+    """(step name, why) of knobs left as applied: their original was lost."""
     seconds: float = 0.0
 
     @property
@@ -130,40 +189,40 @@ class Engine:
                 error="; ".join(f"{e.where}: {e.message}" for e in plan.errors),
                 seconds=time.monotonic() - start,
             )
-        planned = {s.id for s in plan.steps}
-        stale = [e for sid, e in self.journal.entries.items() if sid not in planned]
-        for entry in reversed(stale):
-            log.info("undo %s: no longer planned", entry.step.name)
-            try:
-                entry.step.undo(self.host, entry.snapshot)
-                self.journal.drop(entry.step.id)
-            except Exception as e:
-                log.error("undo %s failed: %s", entry.step.name, e)
-
         done: list[Step] = []
-        changed = 0
+        changes: list[tuple[Step, Step | None]] = []
+        """(step, its last verified version) for each step this pass changed"""
         total = len(plan.steps)
         for i, step in enumerate(plan.steps, 1):
             try:
                 prior = self.journal.entries.get(step.id)
+                previous = prior.verified if prior is not None else None
                 if prior is not None and prior.step == step and step.verify(self.host) is None:
+                    if previous != step:  # applied by a pass that did not finish
+                        changes.append((step, previous))
                     done.append(step)
                     continue
-                snapshot = prior.snapshot if prior is not None else step.snapshot(self.host)
-                self.journal.put(step, snapshot)
+                if prior is not None:
+                    snapshot, known = prior.snapshot, prior.original_known
+                else:  # first touch; after a lost journal the "original" may be ours
+                    snapshot, known = step.snapshot(self.host), not self.journal.originals_lost
+                self.journal.put(step, snapshot, previous, known)
+                changes.append((step, previous))
                 log.info("[%d/%d] apply %s = %s", i, total, step.name, step.value())
                 step.apply(self.host)
                 problem = step.verify(self.host)
                 if problem is not None:
                     raise StepError(f"read back after apply: {problem}")
                 done.append(step)
-                changed += 1
             except Exception as e:
                 error = str(e) or type(e).__name__
                 log.error(
-                    "apply %s failed: %s; rolling back %d step(s)", step.name, error, len(done)
+                    "apply %s failed: %s; restoring the last verified state of %d step(s)",
+                    step.name,
+                    error,
+                    len(changes),
                 )
-                rolled, undo_errors = self._rollback([*done, step])
+                rolled, undo_errors = self._restore(changes)
                 return ApplyResult(
                     ok=False,
                     applied=[],
@@ -172,26 +231,55 @@ class Engine:
                     rolled_back=rolled,
                     undo_errors=undo_errors,
                     seconds=time.monotonic() - start,
-                    changed=changed,
+                    changed=len(changes),
                 )
+        self.journal.commit(done)
+        undo_errors = self._undo_stale({s.id for s in plan.steps})
         seconds = time.monotonic() - start
-        log.info("apply: %d steps in %.2f s (%d changed)", total, seconds, changed)
-        return ApplyResult(ok=True, applied=done, seconds=seconds, changed=changed)
+        log.info("apply: %d steps in %.2f s (%d changed)", total, seconds, len(changes))
+        return ApplyResult(
+            ok=True, applied=done, seconds=seconds, changed=len(changes), undo_errors=undo_errors
+        )
 
-    def _rollback(self, steps: list[Step]) -> tuple[list[str], list[str]]:
+    def _undo_stale(self, planned: set[str]) -> list[str]:
+        """Undo journaled steps the verified plan no longer has (a knob the config drops)."""
+        errors = []
+        stale = [e for sid, e in self.journal.entries.items() if sid not in planned]
+        for entry in reversed(stale):
+            log.info("undo %s: no longer planned", entry.step.name)
+            try:
+                entry.step.undo(self.host, entry.snapshot)
+                self.journal.drop(entry.step.id)
+            except Exception as e:
+                errors.append(f"undo {entry.step.name} (no longer planned): {e}")
+                log.error("undo %s failed: %s", entry.step.name, e)
+        return errors
+
+    def _restore(self, changes: list[tuple[Step, Step | None]]) -> tuple[list[str], list[str]]:
+        """Put each changed step back to its last verified version, newest first; a step
+        never verified goes back to its original snapshot. A step whose verified version
+        still holds (the failed apply had no effect) is not touched."""
         rolled: list[str] = []
         errors: list[str] = []
-        for step in reversed(steps):
+        for step, previous in reversed(changes):
             entry = self.journal.entries.get(step.id)
             if entry is None:
                 continue
             try:
-                step.undo(self.host, entry.snapshot)
+                if previous is None:
+                    step.undo(self.host, entry.snapshot)
+                    self.journal.drop(step.id)
+                else:
+                    if previous.verify(self.host) is not None:
+                        previous.apply(self.host)
+                        problem = previous.verify(self.host)
+                        if problem is not None:
+                            raise StepError(f"read back after restoring: {problem}")
+                    self.journal.put(previous, entry.snapshot, previous, entry.original_known)
                 rolled.append(step.name)
-                self.journal.drop(step.id)
             except Exception as e:
-                errors.append(f"undo {step.name}: {e}")
-                log.error("rollback of %s failed: %s", step.name, e)
+                errors.append(f"restore {step.name}: {e}")
+                log.error("restoring %s failed: %s", step.name, e)
         return rolled, errors
 
     # --- drift ---------------------------------------------------------------------------
@@ -229,6 +317,15 @@ class Engine:
         entries = list(self.journal.entries.values())
         log.info("revert: undoing %d step(s)", len(entries))
         for entry in reversed(entries):
+            if not entry.original_known:
+                why = (
+                    "its original value was lost with an unreadable journal: left as applied "
+                    "(set it by hand if the node needs its old value)"
+                )
+                log.warning("revert %s: %s", entry.step.name, why)
+                result.left.append((entry.step.name, why))
+                self.journal.drop(entry.step.id)
+                continue
             try:
                 entry.step.undo(self.host, entry.snapshot)
                 result.undone.append(entry.step.name)

@@ -1,18 +1,18 @@
 """The one door to the host: files under a root directory, commands, and netlink.
 
 Every sysfs, configfs, procfs, ``/dev`` and agent-state path the agent touches goes
-through `Host`, which takes a root directory: the real agent uses ``/``, unit tests a
-fixture tree (``tests/fixtures/sysfs/<case>``) or a tmp dir. Commands (``rdma``, ``dcb``,
-``ip``, ``tc``, ``modprobe``) go through one `CommandRunner` that logs what it ran; unit
-tests swap in a runner that records argv and replays canned outputs. Netlink (MTU,
-addresses) goes through `Netlink`, whose real implementation uses pyroute2 and whose
-fixture implementation reads and writes the fixture tree.
+through `Host`, which takes a root directory: the agent uses ``/`` (nothing else: there
+is no fixture mode in production code). Commands (``rdma``, ``dcb``, ``ip``, ``tc``,
+``modprobe``) go through one `CommandRunner` that logs what it ran; netlink (MTU,
+addresses) through `Netlink` (pyroute2). The unit tests' `FixtureHost`
+(tests/unit/agent/fakes.py) subclasses `Host` over a fixture tree, with a runner that
+records argv and replays canned outputs and a netlink over the tree.
 """
 
 from __future__ import annotations
 
 import collections
-import errno
+import contextlib
 import logging
 import os
 import shlex
@@ -130,6 +130,11 @@ class Netlink(Protocol):
 class Host:
     """Files under `root`, commands through `runner`, netlink through `netlink`."""
 
+    uses_kernel: bool = True
+    """Whether the kernel behind the files is this machine's (pyverbs, pyroute2 see it).
+    Only the tests' fixture host, a subclass with its own netlink over a fixture tree,
+    says False: production code has no switch to a fixture mode."""
+
     def __init__(
         self,
         root: Path | str = "/",
@@ -137,15 +142,20 @@ class Host:
         netlink: Netlink | None = None,
     ) -> None:
         self.root = Path(root)
+        if self.uses_kernel and self.root != Path("/"):
+            raise ValueError(
+                f"host root {root}: the agent works on the node itself (/); a fixture tree "
+                "is the tests' FixtureHost (tests/unit/agent/fakes.py)"
+            )
         self.runner: CommandRunner = runner or SubprocessRunner()
-        self.netlink: Netlink = netlink or (
-            PyRoute2Netlink() if self.is_real else FixtureNetlink(self)
-        )
+        if netlink is None and not self.uses_kernel:
+            raise ValueError("a host without the kernel needs its own netlink")
+        self.netlink: Netlink = netlink or PyRoute2Netlink()
 
     @property
     def is_real(self) -> bool:
-        """True when the root is the machine's own `/` (the kernel, not a fixture)."""
-        return self.root == Path("/")
+        """True for the machine's own kernel, False for the tests' fixture host."""
+        return self.uses_kernel
 
     # --- paths -----------------------------------------------------------------------
     def path(self, path: str) -> Path:
@@ -193,15 +203,35 @@ class Host:
             raise HostError(f"cannot write {value!r} to {path}: {e.strerror or e}") from e
 
     def write_atomic(self, path: str, value: str) -> None:
-        """Write a regular file through a temporary name and a rename (agent state)."""
+        """Write a regular file so that a crash leaves either the old or the new content
+        (agent state): a temporary file, fsync, rename over the target, fsync of the
+        directory (which makes the rename itself durable)."""
         target = self.path(path)
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = target.with_name(f".{target.name}.tmp")
-            tmp.write_text(value, encoding="utf-8")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.write(fd, value.encode("utf-8"))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
             os.replace(tmp, target)
+            dirfd = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dirfd)
+            finally:
+                os.close(dirfd)
         except OSError as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
             raise HostError(f"cannot write {path}: {e.strerror or e}") from e
+
+    def rename(self, path: str, new_path: str) -> None:
+        try:
+            os.replace(self.path(path), self.path(new_path))
+        except OSError as e:
+            raise HostError(f"cannot rename {path} to {new_path}: {e.strerror or e}") from e
 
     def exists(self, path: str) -> bool:
         return os.path.lexists(self.path(path))
@@ -367,39 +397,3 @@ class PyRoute2Netlink:
                     kind = info.get_attr("IFLA_INFO_KIND")
                     return str(kind) if kind else None
             return None
-
-
-class FixtureNetlink:
-    """Netlink over a fixture tree: MTU in /sys/class/net/<if>/mtu, addresses in
-    /sys/class/net/<if>/fixture_ipv4 (one per line; a fixture-only file)."""
-
-    def __init__(self, host: Host) -> None:
-        self.host = host
-
-    def set_mtu(self, ifname: str, mtu: int) -> None:
-        if not self.host.exists(f"/sys/class/net/{ifname}"):
-            raise HostError(f"no network interface {ifname}")
-        limit = self.host.read_int(f"/sys/class/net/{ifname}/fixture_max_mtu")
-        if limit is not None and mtu > limit:
-            raise HostError(
-                f"netlink: cannot set mtu {mtu} on {ifname}: {os.strerror(errno.EINVAL)}"
-            )
-        self.host.write(f"/sys/class/net/{ifname}/mtu", str(mtu))
-
-    def link_kind(self, ifname: str) -> str | None:
-        return self.host.read_opt(f"/sys/class/net/{ifname}/fixture_kind")
-
-    def qdisc_kinds(self, ifname: str) -> list[str]:
-        """From `tc -j qdisc show` (the fixture's runner plays tc)."""
-        import json
-
-        res = self.host.run(["tc", "-j", "qdisc", "show", "dev", ifname], check=False)
-        try:
-            data = json.loads(res.stdout or "[]")
-        except ValueError:
-            return []
-        return [str(q.get("kind")) for q in data if isinstance(q, dict)]
-
-    def ipv4_addresses(self, ifname: str) -> list[str]:
-        text = self.host.read_opt(f"/sys/class/net/{ifname}/fixture_ipv4") or ""
-        return [line.strip() for line in text.splitlines() if line.strip()]

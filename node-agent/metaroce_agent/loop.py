@@ -2,6 +2,14 @@
 
 - At start and whenever the config file changes: a full pass (discover, probe the
   node's capabilities, plan, apply with rollback, discover again, report).
+- A pass that fails (a step that failed and was rolled back to the last verified state,
+  or a plan that cannot apply, such as no RDMA device yet) is tried again after a
+  backoff that doubles from RETRY_BASE_SECONDS up to RETRY_MAX_SECONDS, and at once
+  when the node's devices, ports, netdevs or addresses change (a driver or ib_uverbs
+  loaded after the agent, looked at every POLL_SECONDS). Each attempt is reported (its
+  number and the time to the next one). An attempt changes only what differs from the
+  last verified state and restores it when it fails, and the backoff bounds how often
+  that happens under running jobs.
 - Every `driftInterval`: discover again, read every applied knob back and re-apply what
   someone changed (counted in `driftCorrections` and metrics); report if anything changed.
 - A watch on the network object: when it is being deleted and `cleanupOnDelete` is set,
@@ -38,6 +46,19 @@ from metaroce_api import AgentConfig, MetaRoceNodeStateStatus, ProbeSummary, con
 from metaroce_api.base import parse_duration
 
 log = logging.getLogger("metaroce.agent.loop")
+
+POLL_SECONDS = 5.0
+"""How often the loop looks at the node between passes (config file, inventory)."""
+RETRY_BASE_SECONDS = 5.0
+RETRY_MAX_SECONDS = 300.0
+
+
+def retry_delay(
+    failures: int, base: float = RETRY_BASE_SECONDS, cap: float = RETRY_MAX_SECONDS
+) -> float:
+    """Seconds to wait after `failures` consecutive failed passes: base, 2 base, 4 base, ...
+    up to cap."""
+    return float(min(cap, base * 2 ** max(0, failures - 1)))
 
 
 @dataclass
@@ -113,6 +134,10 @@ class AgentState:
     rediscover, report, total): the benchmarks read them."""
     failing: frozenset[str] = frozenset()
     """`Step.device` of the steps the last drift pass could not repair ("" = node-wide)."""
+    failures: int = 0
+    """Consecutive failed apply passes (0 after a pass that verified)."""
+    next_retry: float | None = None
+    """`time.monotonic()` of the next attempt after a failed pass; None when none is due."""
 
 
 class Agent:
@@ -198,6 +223,10 @@ class Agent:
             for p in h.listdir(f"/sys/class/infiniband/{d}/ports")
         )
         plan = self.state.plan
+        names = (
+            tuple(h.listdir("/sys/class/net")),
+            tuple(h.listdir("/sys/class/infiniband_verbs")),
+        )
         nets = tuple(
             (
                 h.read_opt(f"/sys/class/net/{n}/operstate"),
@@ -206,7 +235,7 @@ class Agent:
             )
             for n in (plan.netdevs if plan else ())
         )
-        return devs, ports, nets
+        return devs, ports, names, nets
 
     def apply_pass(self) -> ApplyResult:
         """Discover, plan, apply (with rollback), rediscover, report."""
@@ -241,9 +270,31 @@ class Agent:
             elif not result.ok:
                 where = f"apply {result.failed_step.name}" if result.failed_step else "apply"
                 rolled = ", ".join(result.rolled_back) or "nothing"
-                errors.append((where, f"{result.error}; rolled back: {rolled}"))
+                errors.append(
+                    (where, f"{result.error}; rolled back to the last verified state: {rolled}")
+                )
                 errors += [("rollback", e) for e in result.undo_errors]
+            else:
+                errors += [("apply", e) for e in result.undo_errors]
+            if result.ok and not st.plan.problems:
+                st.failures, st.next_retry = 0, None
+            else:
+                # a failed pass, or one with problems that may clear (a port still down,
+                # GIDs not there yet): look again with backoff, at once on a change
+                st.failures += 1
+                delay = retry_delay(st.failures, RETRY_BASE_SECONDS, RETRY_MAX_SECONDS)
+                st.next_retry = time.monotonic() + delay
+                what = f"attempt {st.failures} failed" if not result.ok else "problems remain"
+                note = (
+                    f"{what}; next attempt in {delay:.0f} s, or as soon as the node's "
+                    "devices, ports or addresses change"
+                )
+                log.warning("apply pass: %s", note)
+                if not result.ok:  # after the failure itself, which stays the first error
+                    errors.append(("retry", note))
             errors += [(p.where, p.message) for p in st.plan.problems]
+            if self.engine.journal.problem:
+                errors.append(("journal", self.engine.journal.problem))
             for step, _ in errors:
                 self.metrics.errors.labels(step=step[:64]).inc()
             st.errors.set(errors)
@@ -298,7 +349,10 @@ class Agent:
             st.status = self._status(reverting=True)
             self._write(st.status)
             result = self.engine.revert()
-            st.errors.set([(f"revert {name}", msg) for name, msg in result.errors])
+            st.errors.set(
+                [(f"revert {name}", msg) for name, msg in result.errors]
+                + [(f"revert {name}", msg) for name, msg in result.left]
+            )
             st.reverted = result.ok
             if result.ok:
                 log.info("reverted %d step(s) in %.2f s", len(result.undone), result.seconds)
@@ -477,7 +531,10 @@ class Agent:
             self.prober.start()
         next_drift = time.monotonic() + self.drift_seconds
         while not self.stop_event.is_set():
-            timeout = max(0.0, min(next_drift - time.monotonic(), 5.0))
+            due = [next_drift, time.monotonic() + POLL_SECONDS]
+            if self.state.next_retry is not None:
+                due.append(self.state.next_retry)
+            timeout = max(0.0, min(due) - time.monotonic())
             self.wake.wait(timeout)
             self.wake.clear()
             if self.stop_event.is_set():
@@ -495,6 +552,10 @@ class Agent:
                 self._reload()
                 next_drift = time.monotonic() + self.drift_seconds
                 continue
+            if self._retry_due():
+                self.apply_pass()
+                next_drift = time.monotonic() + self.drift_seconds
+                continue
             if time.monotonic() >= next_drift:
                 self.drift_pass()
                 next_drift = time.monotonic() + self.drift_seconds
@@ -507,6 +568,20 @@ class Agent:
         if self.server is not None:
             self.server.close()
         return 0
+
+    def _retry_due(self) -> bool:
+        """After a failed pass: the backoff has passed, or the inventory changed."""
+        st = self.state
+        if st.next_retry is None:
+            return False
+        if time.monotonic() >= st.next_retry:
+            log.info("retrying the apply pass (attempt %d)", st.failures + 1)
+            return True
+        with self._lock:
+            changed = self._fingerprint() != self._seen
+        if changed:
+            log.info("devices, ports or addresses changed: retrying the apply pass now")
+        return changed
 
     def _reload(self) -> None:
         self._config_mtime = self._mtime()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from metaroce_agent.host import Host
-from metaroce_agent.steps import Json, Step
+from metaroce_agent.host import CommandError, Host
+from metaroce_agent.steps import Json, Step, StepError
 
 
 @dataclass(frozen=True)
@@ -21,8 +21,17 @@ class ModuleStep(Step):
         return "loaded"
 
     def apply(self, host: Host) -> None:
-        if not host.exists(f"/sys/module/{self.device}"):
+        if host.exists(f"/sys/module/{self.device}"):
+            return
+        try:
             host.run(["modprobe", self.device])
+        except CommandError as e:
+            raise StepError(
+                f"{e}: the agent loads modules with the node's /lib/modules of the running "
+                "kernel (mounted read-only) and kmod; where that is refused or the module is "
+                f"missing, load it on the node: modprobe {self.device} (and list it in "
+                "/etc/modules-load.d/ to survive a reboot)"
+            ) from e
 
     def verify(self, host: Host) -> str | None:
         if host.exists(f"/sys/module/{self.device}"):

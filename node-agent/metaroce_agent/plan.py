@@ -286,7 +286,7 @@ def _netdev_qos(
         else:
             skips.append(Skip("dscp-mark", dev, "the tc tool is missing: install iproute2"))
     if c.dcb:
-        steps.append(DcbAppStep(dev, entries=entries))
+        steps += [DcbAppStep(dev, entries=(entry,)) for entry in entries]
         if pfc is not None:
             steps.append(DcbPfcStep(dev, enabled=tuple(pfc)))
         if q.ets:

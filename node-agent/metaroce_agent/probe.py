@@ -13,6 +13,11 @@ name order (a ring, so every node is probed by as many as it probes). A probe se
    count over TCP gives the loss fraction (UD does not retransmit);
 4. both sides destroy the queue pairs. Idle, the server only blocks in `accept()`.
 
+The server runs each session in a thread of its own, at most MAX_SESSIONS at once (the
+next client is told "busy"), and ends a session at SESSION_SECONDS whatever the peer does:
+a peer that vanishes or an idle client on the port cannot make the node look
+unreachable to everyone. (The side channel is not authenticated yet: see issue 15.)
+
 Latencies and loss go to metrics every round; the NodeState's probe summary is replaced
 only when the verdict (healthy, and each peer's pass/fail) changes. The operator, not
 the agent, decides taints from these summaries. Needs pyverbs (guests, agent image).
@@ -48,6 +53,10 @@ SPIN = 0.0002
 """Busy-poll a CQ this long after the last activity, then poll every NAP: a probe must not
 take a CPU away from the jobs (rxe itself runs on the node's CPUs)."""
 NAP = 0.001
+MAX_SESSIONS = 8
+"""Probe sessions served at once (each holds a PD, two CQs and two QPs)."""
+SESSION_SECONDS = 30.0
+"""A session's whole life, hello to bye: a client probe takes about a second."""
 
 
 @dataclass(frozen=True)
@@ -213,17 +222,32 @@ def _recv(f: Any) -> dict[str, Any]:
 
 
 class ProbeServer:
-    """Answers probe sessions, one at a time, on the RDMA netdev's address."""
+    """Answers probe sessions on the RDMA netdev's address: concurrently, each with a
+    deadline, at most `max_sessions` at once."""
 
-    def __init__(self, address: str, port: int, local: Callable[[], Local | None]) -> None:
+    def __init__(
+        self,
+        address: str,
+        port: int,
+        local: Callable[[], Local | None],
+        *,
+        endpoint: Callable[[Local], Any] | None = None,
+        max_sessions: int = MAX_SESSIONS,
+        session_seconds: float = SESSION_SECONDS,
+    ) -> None:
         self.local = local
+        self.endpoint = endpoint or Endpoint
+        self.max_sessions = max_sessions
+        self.session_seconds = session_seconds
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((address, port))
         self.sock.listen(16)
         self.port = int(self.sock.getsockname()[1])
         self._stop = threading.Event()
+        self._slots = threading.BoundedSemaphore(max_sessions)
         self.sessions = 0
+        self.refused = 0
 
     def serve(self) -> None:
         while not self._stop.is_set():
@@ -231,22 +255,37 @@ class ProbeServer:
                 conn, peer = self.sock.accept()
             except OSError:
                 return
-            with conn:
-                try:
-                    conn.settimeout(30)
-                    self._session(conn)
-                    self.sessions += 1
-                except Exception as e:
-                    log.info("probe session from %s ended: %s", peer[0], e)
+            if not self._slots.acquire(blocking=False):
+                self.refused += 1
+                with conn, contextlib.suppress(OSError):
+                    conn.settimeout(1)
+                    _send(conn, {"error": f"busy: {self.max_sessions} probe sessions running"})
+                continue
+            threading.Thread(
+                target=self._serve_one, args=(conn, peer), name="probe-session", daemon=True
+            ).start()
 
-    def _session(self, conn: socket.socket) -> None:
+    def _serve_one(self, conn: socket.socket, peer: Any) -> None:
+        deadline = time.monotonic() + self.session_seconds
+        try:
+            with conn:
+                conn.settimeout(min(5.0, self.session_seconds))
+                if self._session(conn, deadline):
+                    self.sessions += 1
+        except Exception as e:
+            log.info("probe session from %s ended: %s", peer[0], e)
+        finally:
+            self._slots.release()
+
+    def _session(self, conn: socket.socket, deadline: float) -> bool:
+        """One session; True when the peer said bye, False at the deadline."""
         f = conn.makefile("r")
         hello = _recv(f)
         local = self.local()
         if local is None:
             _send(conn, {"error": "no RDMA device ready on this node"})
-            return
-        ep = Endpoint(local)
+            return True
+        ep = self.endpoint(local)
         try:
             ep.post_rc_recv(128)
             ep.post_ud_recv(min(UD_BURST * 2, 250))
@@ -257,6 +296,10 @@ class ProbeServer:
             buf = b""
             last = time.perf_counter()
             while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stop.is_set():
+                    log.info("probe session: deadline of %.0f s reached", self.session_seconds)
+                    return False
                 busy = False
                 for opcode, status in ep.poll(ep.rc_cq):
                     busy = True
@@ -270,13 +313,13 @@ class ProbeServer:
                 now_ = time.perf_counter()
                 if busy:
                     last = now_
-                wait = 0.0 if now_ - last < SPIN else NAP
+                wait = min(0.0 if now_ - last < SPIN else NAP, left)
                 r, _, _ = select.select([conn], [], [], wait)
                 if not r:
                     continue
                 chunk = conn.recv(4096)
                 if not chunk:
-                    return
+                    return True
                 buf += chunk
                 while b"\n" in buf:
                     line, buf = buf.split(b"\n", 1)
@@ -285,11 +328,11 @@ class ProbeServer:
                         for opcode, status in ep.poll(ep.ud_cq, 256):
                             if opcode == ep.e.IBV_WC_RECV and status == ep.e.IBV_WC_SUCCESS:
                                 received += 1
-                        conn.setblocking(True)
+                        conn.settimeout(max(0.1, min(5.0, deadline - time.monotonic())))
                         _send(conn, {"ud_received": received})
                         conn.setblocking(False)
                     elif msg.get("op") == "bye":
-                        return
+                        return True
         finally:
             ep.close()
 
@@ -385,6 +428,19 @@ def _ud_burst(ep: Endpoint) -> int:
 # --- the agent's prober ----------------------------------------------------------------------
 
 
+def _probeable(endpoint: str) -> bool:
+    """A peer's published `<ip>:<port>` names a real remote address: not unspecified
+    (0.0.0.0 would reach the prober's own host) and not loopback."""
+    import ipaddress
+
+    host, _, port = endpoint.rpartition(":")
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return port.isdigit() and not (ip.is_unspecified or ip.is_loopback)
+
+
 def choose_peers(me: str, endpoints: dict[str, str], k: int) -> list[str]:
     """The next k nodes after `me` in name order (a ring)."""
     ring = sorted(set(endpoints) | {me})
@@ -437,7 +493,7 @@ class Prober:
         kube: KubeClient,
         network: str,
         node: str,
-        address: Callable[[], str],
+        address: Callable[[], str | None],
         port: int,
         local: Callable[[], Local | None],
         publish: Callable[[str], None],
@@ -462,9 +518,11 @@ class Prober:
         self.max_latency_us = max_latency_us
         self.max_loss = max_loss
         self.server: ProbeServer | None = None
+        self.served_address: str | None = None
         self._stop = threading.Event()
         self._verdict: tuple[Any, ...] | None = None
         self.rounds = 0
+        self._serving = threading.Lock()
 
     @classmethod
     def for_agent(cls, agent: Any) -> Prober:
@@ -485,13 +543,15 @@ class Prober:
                 return None
             return Local(td.rdma_device, td.port, gid.index, agent.config.qos.data.dscp << 2)
 
-        def address() -> str:
+        def address() -> str | None:
+            """The RDMA netdev's IPv4 address; None while it has none (never 0.0.0.0:
+            peers would probe their own host). IPv6-only networks are not served yet."""
             plan = agent.state.plan
             if plan and plan.netdevs:
                 nd = agent.state.inventory.netdev(plan.netdevs[0])
                 if nd and nd.ipv4:
                     return str(nd.ipv4[0].split("/")[0])
-            return "0.0.0.0"
+            return None
 
         def publish(endpoint: str) -> None:
             if agent.writer is not None:
@@ -515,22 +575,40 @@ class Prober:
         )
 
     def start(self) -> None:
-        """Listen on the RDMA netdev's address (known after the first apply pass)."""
-        address = self.address()
-        try:
-            self.server = ProbeServer(address, self.port, self.local)
-        except OSError as e:
-            log.error(
-                "probe server cannot listen on %s:%d: %s; no probes from this node. If another "
-                "network's agent runs here, give one of the two another spec.agent.probePort",
-                address, self.port, e,
-            )  # fmt: skip
-            return
-        threading.Thread(target=self.server.serve, name="probe-server", daemon=True).start()
-        self.publish(f"{address}:{self.server.port}")
+        """Serve on the RDMA netdev's address (once it has one) and run the rounds."""
+        self.refresh()
         threading.Thread(target=self._loop, name="probe-rounds", daemon=True).start()
-        log.info("probe: serving on %s:%d, %d peer(s) every %.0f s", address,
-                 self.server.port, self.peers, self.interval)  # fmt: skip
+        log.info("probe: %d peer(s) every %.0f s", self.peers, self.interval)
+
+    def refresh(self) -> None:
+        """(Re)listen and (re)publish when the netdev's address appeared or changed;
+        publish nothing while it has none. Called at start and before every round."""
+        with self._serving:
+            address = self.address()
+            if address == self.served_address and (address is None or self.server):
+                return
+            if self.server is not None:
+                self.server.stop()
+                self.server = None
+            self.served_address = address
+            if address is None:
+                log.warning("probe: the RDMA netdev has no IPv4 address yet: not serving")
+                self.publish("")
+                return
+            try:
+                self.server = ProbeServer(address, self.port, self.local)
+            except OSError as e:
+                log.error(
+                    "probe server cannot listen on %s:%d: %s; no probes from this node. If "
+                    "another network's agent runs here, give one of the two another "
+                    "spec.agent.probePort",
+                    address, self.port, e,
+                )  # fmt: skip
+                self.served_address = None
+                return
+            threading.Thread(target=self.server.serve, name="probe-server", daemon=True).start()
+            self.publish(f"{address}:{self.server.port}")
+            log.info("probe: serving on %s:%d", address, self.server.port)
 
     def stop(self) -> None:
         self._stop.set()
@@ -548,11 +626,12 @@ class Prober:
             ep = ((item.get("metadata") or {}).get("annotations") or {}).get(
                 constants.PROBE_ENDPOINT_ANNOTATION
             )
-            if node and ep and node != self.node:
+            if node and ep and node != self.node and _probeable(str(ep)):
                 out[str(node)] = str(ep)
         return out
 
     def round(self) -> ProbeSummary | None:
+        self.refresh()
         local = self.local()
         if local is None:
             return None

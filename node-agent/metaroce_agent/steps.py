@@ -87,6 +87,11 @@ class Step:
     def undo(self, host: Host, snapshot: Json) -> None:
         return None
 
+    def split(self, snapshot: Json) -> list[tuple[Step, Json]]:
+        """The steps (with their snapshots) a journal entry of an earlier agent stands
+        for, where a step kind has since been made finer; by default itself."""
+        return [(self, snapshot)]
+
     # --- records ---------------------------------------------------------------------
     def params(self) -> dict[str, Json]:
         return json.loads(json.dumps(dataclasses.asdict(self)))  # type: ignore[no-any-return]

@@ -61,9 +61,18 @@ def test_files_go_both_ways(node1: Guest) -> None:
 
 def test_private_l2_joins_the_guests(guests: GuestCluster) -> None:
     a, b = guests[0], guests[1]
+    before = guests.l2_counters()
+    # the lossless link: taps on a kernel bridge (the tests run as root, as setup does)
+    assert before.kind == "bridge", before
     r = a.run(f"ping -c 2 -W 5 {b.ip} && ip -br addr show eth0", check=True)
     assert "0% packet loss" in r.stdout and f"{a.ip}/24" in r.stdout
     assert b.run(f"getent hosts {a.name}", check=True).stdout.split()[0] == a.ip
+    # 1,000 large echo requests as fast as the replies come back (a flood ping)
+    b.run(f"ping -f -q -c 1000 -s 1400 {a.ip}", timeout=120)
+    after = guests.l2_counters()
+    print(f"{after.describe()} (before: {before.describe()})")
+    assert after.frames >= before.frames + 2000, (before, after)
+    assert after.dropped == before.dropped, f"the lossless L2 dropped frames: {before} -> {after}"
 
 
 def test_guest_reaches_host_loopback_at_10_0_2_2(node1: Guest) -> None:

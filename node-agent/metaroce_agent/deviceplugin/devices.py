@@ -65,6 +65,8 @@ class PluginDevice:
     """The network's QoS/transport settings were applied and read back on this device."""
     gid_index: int | None = None
     """The RoCE v2 GID index the device uses, when fixed; None = not known."""
+    rdma_cm: bool = True
+    """The node has /dev/infiniband/rdma_cm (rdma_ucm loaded): Allocate hands it out."""
     port: int = 1
     """RDMA port number (NCCL_IB_HCA names `<device>:<port>`)."""
 
@@ -163,7 +165,8 @@ def allocate(
 ) -> ContainerAllocation:
     """The device nodes and per-device environment of one container asking for `ids`.
 
-    Every distinct NIC gives `/dev/infiniband/uverbsN`; `rdma_cm` is added once.
+    Every distinct NIC gives `/dev/infiniband/uverbsN`; `rdma_cm` is added once, where the
+    node has it.
     `NCCL_IB_HCA` = `=dev:port,...` (exact names, so `mlx5_1` never matches `mlx5_10`);
     `NCCL_IB_GID_INDEX` only when every NIC given uses the same known GID index.
     """
@@ -188,7 +191,8 @@ def allocate(
         )
     ordered = sorted(devices.values(), key=lambda d: d.rdma_device)
     nodes = [DeviceNode(d.uverbs_path, d.uverbs_path) for d in ordered]
-    nodes.append(DeviceNode(RDMA_CM, RDMA_CM))
+    if all(d.rdma_cm for d in ordered):  # a missing device node fails the container's start
+        nodes.append(DeviceNode(RDMA_CM, RDMA_CM))
     envs: dict[str, str] = {}
     if ENV_HCA in device_env:
         envs[ENV_HCA] = "=" + ",".join(f"{d.rdma_device}:{d.port}" for d in ordered)

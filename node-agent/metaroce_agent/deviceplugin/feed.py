@@ -72,6 +72,7 @@ def plugin_devices(
             port_active=port is not None and port.active and up,
             qos_verified=verified,
             gid_index=gid.index if gid is not None else None,
+            rdma_cm=inventory.rdma_cm,
             port=td.port,
         )
     return [out[name] for name in sorted(out)]

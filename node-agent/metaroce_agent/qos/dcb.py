@@ -51,14 +51,32 @@ def read_ets(host: Host, dev: str) -> dict[str, list[Any]]:
 
 @dataclass(frozen=True)
 class DcbAppStep(Step):
-    """Trust DSCP and map each DSCP to its priority: `dcb app replace ... dscp-prio D:P`."""
+    """Trust DSCP and map a DSCP to its priority: `dcb app replace ... dscp-prio D:P`.
+
+    The plan makes one step per DSCP, and the DSCP is part of the step's id: a DSCP the
+    config no longer names is a step no longer planned, which the engine undoes (its
+    entry deleted, the pre-agent entry of that DSCP put back), while a new priority for
+    the same DSCP keeps the original snapshot. Journals of earlier agents hold one step
+    for all entries; `split` reads them per entry."""
 
     kind = "dcb-app"
     knob = "dscp-map"
     method = "dcb"
 
     entries: tuple[tuple[int, int], ...] = ()
-    """(dscp, priority) pairs."""
+    """(dscp, priority) pairs: one in the steps the plan makes."""
+
+    def id_suffix(self) -> str:
+        return ":dscp" + ",".join(str(d) for d, _ in self.entries)
+
+    def split(self, snapshot: Json) -> list[tuple[Step, Json]]:
+        if len(self.entries) <= 1:
+            return [(self, snapshot)]
+        old = [(int(d), int(p)) for d, p in (snapshot or [])]
+        return [
+            (DcbAppStep(self.device, entries=((d, p),)), [[e, q] for e, q in old if e == d])
+            for d, p in self.entries
+        ]
 
     def value(self) -> str:
         return " ".join(f"{d}:{p}" for d, p in self.entries)

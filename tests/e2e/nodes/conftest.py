@@ -23,6 +23,7 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -101,6 +102,23 @@ def kube() -> Iterator[Kube]:
             real_nodes=nodes,
             timings=dict(nodes.timings),
         )
+
+
+_FIGURES: list[str] = []
+
+
+@pytest.fixture(scope="session")
+def figures() -> list[str]:
+    """Lines a test adds here (timings, bandwidth, RoCE counters) are printed in the
+    tier's output whether the test passes or fails (pytest -q shows no print())."""
+    return _FIGURES
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _FIGURES:
+        terminalreporter.section("real-node figures")
+        for line in _FIGURES:
+            terminalreporter.write_line(line)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

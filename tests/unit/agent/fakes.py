@@ -12,6 +12,7 @@ Unit tests only: the agent itself always uses the real runner.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shlex
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from metaroce_agent.host import CommandError, CommandResult, Host, HostError
+from metaroce_agent.host import CommandError, CommandResult, CommandRunner, Host, HostError
 
 ZERO = "0000:0000:0000:0000:0000:0000:0000:0000"
 
@@ -229,15 +230,32 @@ class SysfsTree:
         hw_counters: Sequence[str] | None = None,
         device_hw_counters: Sequence[str] = (),
         counter_value: int = 0,
+        driver: str | None = None,
     ) -> None:
+        """An RDMA device on `netdev`. `software=True` is rxe (a `parent` attribute, node
+        description "rxe", no device link); `driver="siw"` is Software iWARP (its device
+        link is the netdev's own device, if any), another name a software device with
+        neither (a future MetaRoCE device)."""
         base = f"/sys/class/infiniband/{name}"
         nbase = f"/sys/class/net/{netdev}"
         mac = (self.p(f"{nbase}/address").read_text().strip()) if self.p(nbase).exists() else None
         self.write(f"{base}/node_guid", "5054:00ff:fe00:010b")
-        self.write(f"{base}/fw_ver", "0.0.0" if software else "22.31.1014")
+        self.write(f"{base}/fw_ver", "0.0.0" if software or driver else "22.31.1014")
         self.write(f"{base}/node_type", "1: CA")
-        if software:
+        if driver == "siw":
+            software = True
+            self.write(f"{base}/node_desc", "Software iWARP stack")
+            if self.p(f"{nbase}/device").exists():
+                self.symlink(
+                    f"{base}/device",
+                    os.path.realpath(self.p(f"{nbase}/device")).replace(str(self.root), "", 1),
+                )
+        elif driver is not None:
+            software = True
+            self.write(f"{base}/node_desc", driver)
+        elif software:
             self.write(f"{base}/parent", netdev)
+            self.write(f"{base}/node_desc", "rxe")
         else:
             self.symlink(
                 f"{base}/device",
@@ -303,6 +321,42 @@ class SysfsTree:
             (self.p(f"/proc/{pid}/fd") / str(i + 3)).symlink_to(target)
 
 
+class FixtureNetlink:
+    """Netlink over a fixture tree: MTU in /sys/class/net/<if>/mtu, addresses in
+    /sys/class/net/<if>/fixture_ipv4 (one per line; a fixture-only file)."""
+
+    def __init__(self, host: Host) -> None:
+        self.host = host
+
+    def set_mtu(self, ifname: str, mtu: int) -> None:
+        if not self.host.exists(f"/sys/class/net/{ifname}"):
+            raise HostError(f"no network interface {ifname}")
+        limit = self.host.read_int(f"/sys/class/net/{ifname}/fixture_max_mtu")
+        if limit is not None and mtu > limit:
+            raise HostError(
+                f"netlink: cannot set mtu {mtu} on {ifname}: {os.strerror(errno.EINVAL)}"
+            )
+        self.host.write(f"/sys/class/net/{ifname}/mtu", str(mtu))
+
+    def link_kind(self, ifname: str) -> str | None:
+        return self.host.read_opt(f"/sys/class/net/{ifname}/fixture_kind")
+
+    def qdisc_kinds(self, ifname: str) -> list[str]:
+        """From `tc -j qdisc show` (the fixture's runner plays tc)."""
+        import json
+
+        res = self.host.run(["tc", "-j", "qdisc", "show", "dev", ifname], check=False)
+        try:
+            data = json.loads(res.stdout or "[]")
+        except ValueError:
+            return []
+        return [str(q.get("kind")) for q in data if isinstance(q, dict)]
+
+    def ipv4_addresses(self, ifname: str) -> list[str]:
+        text = self.host.read_opt(f"/sys/class/net/{ifname}/fixture_ipv4") or ""
+        return [line.strip() for line in text.splitlines() if line.strip()]
+
+
 class FixtureHost(Host):
     """A Host over a fixture tree whose configfs behaves like rdma_cm's.
 
@@ -311,8 +365,13 @@ class FixtureHost(Host):
 
     unwritable: set[str]
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    uses_kernel = False
+
+    def __init__(
+        self, root: Path | str, runner: CommandRunner | None = None, **kwargs: Any
+    ) -> None:
+        kwargs.setdefault("netlink", FixtureNetlink(self))
+        super().__init__(root, runner, **kwargs)
         self.unwritable = set()
 
     def write(self, path: str, value: str) -> None:
@@ -397,6 +456,8 @@ class FakeKernel:
             self.tree.module(name)
             if name == "rdma_cm" and self.tree.p("/sys/kernel/config").exists():
                 self.tree.mkdir("/sys/kernel/config/rdma_cm")
+            if name == "rdma_ucm":  # devtmpfs makes its device node
+                self.tree.write("/dev/infiniband/rdma_cm", "")
         return ""
 
     # --- rdma --------------------------------------------------------------------------

@@ -114,14 +114,18 @@ def test_cli_flag_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     )
 
 
-def test_cli_once_over_a_fixture_root(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # --root on a fixture tree with the real runner: no tools touch the machine because
-    # the tree lacks what they would need; discovery works and the plan is reported
-    tree, _ = no_rdma_node(tmp_path / "root")
+def test_cli_once_prints_the_pass(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the command line over the tests' fixture host (production has no fixture mode)
+    from metaroce_agent import loop
+
+    tree, kernel = no_rdma_node(tmp_path / "root")
+    monkeypatch.setattr(loop, "Host", lambda root: FixtureHost(tree.root, runner=kernel))
     cfg = make_config(nics={"drivers": ["igb"]})
     path = tmp_path / "c.yaml"
     path.write_text(cfg.to_yaml())
-    rc = run_main(["--config", str(path), "--root", str(tree.root), "--no-report", "--once"])
+    rc = run_main(["--config", str(path), "--no-report", "--once"])
     out = capsys.readouterr().out
     assert rc == 1 and "phase Failed" in out and "allowSoftRoceFallback" in out
 
@@ -156,9 +160,14 @@ def test_doctor_with_config_checks_every_knob(node, tmp_path: Path) -> None:  # 
     assert not ex.ready and "not in the desired state: roce-tos port1 on rxe_eth0" in render(ex)
 
 
-def test_doctor_main_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    tree, _ = no_rdma_node(tmp_path / "root")
-    assert doctor_main(["--root", str(tree.root)]) == 1
+def test_doctor_main_exit_codes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from metaroce_agent import host
+
+    tree, kernel = no_rdma_node(tmp_path / "root")
+    monkeypatch.setattr(host, "Host", lambda root: FixtureHost(tree.root, runner=kernel))
+    assert doctor_main([]) == 1
     assert "NOT READY" in capsys.readouterr().out
     assert doctor_main(["--root", str(tmp_path / "none")]) == 2
 

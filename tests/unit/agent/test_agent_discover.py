@@ -5,7 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from fakes import mellanox_node, no_rdma_node, port_down_node, softroce_node, two_numa_node
+from fakes import (
+    FixtureHost,
+    mellanox_node,
+    no_rdma_node,
+    port_down_node,
+    softroce_node,
+    two_numa_node,
+)
 
 from metaroce_agent.discover import DiscoveryError, discover, verbs_backend
 from metaroce_agent.host import Host
@@ -84,7 +91,7 @@ def test_two_nics_on_two_numa_nodes(node) -> None:  # type: ignore[no-untyped-de
 
 
 def test_fixture_root_never_uses_pyverbs(tmp_path: Path) -> None:
-    backend, warnings = verbs_backend(Host(tmp_path))
+    backend, warnings = verbs_backend(FixtureHost(tmp_path))
     assert backend.source == "sysfs" and warnings == []
 
 

@@ -30,10 +30,15 @@ def test_mellanox_lossless_uses_dcb_ecn_and_configfs(node) -> None:  # type: ign
     plan = make_plan(cfg, inv, n.caps(cfg, inv))
     assert plan.ok and plan.mode == "rocev2" and plan.netdevs == ("ens1f0",)
     assert kinds(plan) == [
-        "dcb-app", "dcb-pfc", "ecn", "cnp-marking", "rdma-cm-dir", "roce-mode", "roce-tos",
+        "kernel-module", "kernel-module", "dcb-app", "dcb-app", "dcb-pfc", "ecn",
+        "cnp-marking", "rdma-cm-dir", "roce-mode", "roce-tos",
     ]  # fmt: skip
     by_kind = {s.kind: s for s in plan.steps}
-    assert by_kind["dcb-app"] == DcbAppStep("ens1f0", entries=((26, 3), (48, 6)))
+    # one APP step per DSCP, so that a DSCP the config drops is a step undone
+    assert [s for s in plan.steps if s.kind == "dcb-app"] == [
+        DcbAppStep("ens1f0", entries=((26, 3),)),
+        DcbAppStep("ens1f0", entries=((48, 6),)),
+    ]
     assert by_kind["dcb-pfc"] == DcbPfcStep("ens1f0", enabled=(3,))
     assert by_kind["ecn"] == EcnStep("ens1f0", priority=3, enable=True)
     assert by_kind["cnp-marking"] == CnpStep("ens1f0", dscp=48, priority=6)

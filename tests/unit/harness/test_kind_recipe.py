@@ -25,11 +25,16 @@ def test_kind_cluster_config_parses() -> None:
         assert w["labels"]["metaroce.io/e2e"] == "true"
 
 
-@pytest.mark.parametrize("script", ["hack/kind/up.sh", "hack/build-images.sh"])
+@pytest.mark.parametrize(
+    "script",
+    ["hack/kind/up.sh", "hack/build-images.sh", "hack/setup.sh", "hack/show-regressions.sh"],
+)
 def test_scripts_pass_shellcheck(script: str) -> None:
     shellcheck = shutil.which("shellcheck")
     if shellcheck is None:
-        pytest.skip("shellcheck is not installed (apt-get install shellcheck)")
+        pytest.fail(
+            "shellcheck is not installed: hack/setup.sh installs it (apt-get install shellcheck)"
+        )
     proc = subprocess.run(
         [shellcheck, "-x", str(REPO / script)], capture_output=True, text=True, check=False
     )

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Issue 15's regression tests against the code before the fixes: each test file below
+# runs once over a clean export of BASE (default b6733c0, the commit the issue was filed
+# against) and once over this checkout. Expected: they fail on BASE (except the guards
+# named in EXPECTED_TO_PASS_ON_BASE) and pass here. Unit tests only: no cluster, no lock.
+#   bash hack/show-regressions.sh [BASE]
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+repo=$PWD
+base=${1:-b6733c0}
+tests=(
+  tests/unit/agent/test_agent_reapply.py  # finding 1: a failed re-apply restores the verified state
+  tests/unit/agent/test_agent_dcb_app.py  # finding 3: DCB APP entries follow a DSCP change
+  tests/unit/agent/test_agent_retry.py    # finding 2: retry with backoff, re-plan on new devices
+  tests/unit/agent/test_agent_journal.py  # finding 4: durable journal, no invented originals
+  tests/unit/agent/test_agent_software_rdma.py  # finding 5: rxe matched by its driver
+  tests/unit/agent/test_agent_fixture_mode.py   # finding 11: no silent fixture mode
+  tests/unit/agent/test_agent_modules.py  # finding 6: verbs modules loaded, rdma_cm only if there
+  tests/unit/agent/test_agent_probe_server.py  # finding 7 (server side): concurrent, deadlines, cap
+  tests/unit/agent/test_agent_probe_endpoint.py  # finding 9 (IPv4): no 0.0.0.0 endpoint, republished
+)
+# the tests' own fixtures (additions only) go along with them
+support=(tests/unit/agent/fakes.py tests/unit/agent/conftest.py)
+# guards of an upgrade path, not regressions: they pass on BASE and must keep passing
+EXPECTED_TO_PASS_ON_BASE="test_a_journal_with_one_step_for_all_entries_is_read_per_entry
+test_siw_on_the_netdev_is_not_adopted_as_the_rxe_link"
+
+[[ -x .venv/bin/pytest ]] || { echo "run hack/setup.sh first (.venv)" >&2; exit 2; }
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+git archive "$base" | tar -x -C "$tmp"
+for t in "${tests[@]}" "${support[@]}"; do cp "$t" "$tmp/$t"; done
+
+run() {  # DIR: the test files over DIR's packages (PYTHONPATH wins over the editable install)
+  (cd "$1" && PYTHONPATH=api:operator:node-agent:hack:cli timeout 600 \
+    "$repo/.venv/bin/pytest" -q -p no:cacheprovider --tb=no -rA "${tests[@]}" 2>&1 \
+    | grep -E '^(PASSED|FAILED|ERROR) ' | sed -E 's/ - .*//' | sort) || true
+}
+
+echo "== on $base ($(git rev-parse --short "$base"))"
+on_base=$(run "$tmp")
+echo "$on_base"
+echo "== on this checkout ($(git rev-parse --short HEAD)$(git diff --quiet || echo ', with local changes'))"
+here=$(run "$repo")
+echo "$here"
+
+bad=0
+while read -r outcome name; do
+  [[ -n $name ]] || continue
+  short=${name##*::}
+  if [[ $outcome == PASSED ]] && ! grep -qxF "$short" <<<"$EXPECTED_TO_PASS_ON_BASE"; then
+    echo "NOT A REGRESSION TEST: $name passes on $base" >&2; bad=1
+  fi
+done <<<"$on_base"
+if grep -qE '^(FAILED|ERROR) ' <<<"$here"; then echo "FAILING HERE: see above" >&2; bad=1; fi
+((bad == 0)) && echo "== every regression test fails on $base and passes here"
+exit "$bad"

@@ -1,0 +1,73 @@
+"""The probe endpoint is a real address of the node, republished when it changes
+(finding 9, IPv4). On b6733c0 a node without an address yet publishes 0.0.0.0:port,
+peers probe their own localhost and call it healthy, and the endpoint is never
+republished."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from metaroce_agent.probe import Prober
+
+
+class FakeKube:
+    def __init__(self, endpoints: dict[str, str]) -> None:
+        self.items = [
+            {
+                "spec": {"node": node},
+                "metadata": {"annotations": {"metaroce.io/probe-endpoint": ep}},
+            }
+            for node, ep in endpoints.items()
+        ]
+
+    def request(self, method: str, path: str, **kw: Any) -> dict[str, Any]:
+        return {"items": self.items}
+
+
+def _prober(address: list[str | None], published: list[str], kube: Any = None) -> Prober:
+    return Prober(
+        kube=kube or FakeKube({}),
+        network="rdma-a",
+        node="node-1",
+        address=lambda: address[0],  # type: ignore[arg-type,return-value]
+        port=0,
+        local=lambda: None,
+        publish=published.append,
+        report=lambda s: None,
+        metrics=None,
+        interval=3600,
+        peers=3,
+        max_latency_us=1000,
+        max_loss=0.01,
+    )
+
+
+def test_no_address_publishes_nothing_and_a_new_address_is_published() -> None:
+    address: list[str | None] = [None]
+    published: list[str] = []
+    p = _prober(address, published)
+    try:
+        p.start()
+        assert not [e for e in published if e.startswith("0.0.0.0")], published
+        address[0] = "127.0.0.1"
+        p.refresh()
+        assert published and published[-1].startswith("127.0.0.1:"), published
+        assert p.server is not None and p.server.port > 0
+        before = len(published)
+        p.refresh()  # unchanged: no new write
+        assert len(published) == before
+    finally:
+        p.stop()
+
+
+def test_peers_with_unspecified_or_loopback_endpoints_are_not_probed() -> None:
+    kube = FakeKube(
+        {
+            "node-2": "0.0.0.0:47911",
+            "node-3": "127.0.0.1:47911",
+            "node-4": "192.168.77.14:47911",
+            "node-5": ":47911",
+        }
+    )
+    p = _prober(["192.168.77.11"], [], kube)
+    assert p.endpoints() == {"node-4": "192.168.77.14:47911"}

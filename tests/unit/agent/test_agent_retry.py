@@ -1,0 +1,105 @@
+"""A failed apply pass is retried with backoff, and at once when the inventory changes
+(a driver or ib_uverbs loaded after the agent started) -- finding 2."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from conftest import make_config
+from fakes import FakeKernel, FixtureHost, SysfsTree, softroce_node
+
+from metaroce_agent import loop
+from metaroce_agent.loop import Agent, AgentOptions
+
+TOS = "/sys/kernel/config/rdma_cm/rxe_eth0/ports/1/default_roce_tos"
+
+
+def _until(check: Callable[[], bool], seconds: float) -> bool:
+    stop = threading.Event()
+    for _ in range(int(seconds / 0.05)):
+        if check():
+            return True
+        stop.wait(0.05)
+    return check()
+
+
+@pytest.fixture
+def fast_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the loop looks at the node every POLL_SECONDS (5 s in production)
+    monkeypatch.setattr(loop, "POLL_SECONDS", 0.05, raising=False)
+
+
+@contextlib.contextmanager
+def _running(agent: Agent) -> Iterator[Agent]:
+    t = threading.Thread(target=agent.run, daemon=True)
+    t.start()
+    try:
+        yield agent
+    finally:
+        agent.stop()
+        t.join(10)
+
+
+def _agent(tmp_path: Path, tree: SysfsTree, kernel: FakeKernel, **cfg) -> Agent:  # type: ignore[no-untyped-def]
+    config = make_config(driftInterval="1h", **cfg)
+    path = tmp_path / "agent.yaml"
+    path.write_text(config.to_yaml())
+    opts = AgentOptions(config_path=path, node_name="node-1", report=False, metrics_port=None)
+    return Agent(opts, host=FixtureHost(tree.root, runner=kernel))
+
+
+def test_a_failed_pass_is_retried_with_backoff(
+    tmp_path: Path, fast_loop: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(loop, "RETRY_BASE_SECONDS", 0.2, raising=False)
+    tree, kernel = softroce_node(tmp_path / "root")
+    kernel.fail["tc filter replace"] = (2, "Error: TC classifier not found.")
+    agent = _agent(
+        tmp_path, tree, kernel, nics={"interfaceNames": ["eth0"]}, transport={"mode": "softroce"}
+    )
+    with _running(agent) as a:
+        assert _until(lambda: a.state.status is not None, 5)
+        assert a.state.status is not None and a.state.status.phase != "Ready"
+        # each attempt is reported with its number and when the next one comes
+        assert _until(lambda: "attempt 2" in _errors(a), 5), _errors(a)
+        assert "next attempt in" in _errors(a)
+        del kernel.fail["tc filter replace"]  # the transient fault is gone
+        assert _until(lambda: a.state.status is not None and a.state.status.phase == "Ready", 10)
+        assert a.host.read(TOS) == "104"
+
+
+def test_a_device_that_appears_later_is_planned_at_once(
+    tmp_path: Path, fast_loop: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(loop, "RETRY_BASE_SECONDS", 3600.0, raising=False)  # not the timer
+    tree = SysfsTree(tmp_path / "root")
+    tree.configfs()
+    tree.netdev("ens1f0", pci="0000:3b:00.0", ipv4=["192.168.10.5/24"], ecn=True)
+    kernel = FakeKernel(tree, dcb_devices={"ens1f0"})
+    agent = _agent(
+        tmp_path, tree, kernel, nics={"interfaceNames": ["ens1f0"]}, transport={"mode": "rocev2"}
+    )
+    with _running(agent) as a:
+        assert _until(lambda: a.state.status is not None, 5)
+        assert a.state.status is not None and a.state.status.phase != "Ready"
+        with a._lock:  # the device appears whole (the fixture writes it file by file)
+            tree.rdma("mlx5_0", netdev="ens1f0")  # mlx5_ib loaded after the agent started
+        assert _until(lambda: a.state.result is not None and a.state.result.ok, 10)
+        assert a.state.status is not None
+        assert a.state.status.phase == "Ready", (a.state.status.phase, _errors(a))
+
+
+def test_backoff_doubles_up_to_a_cap() -> None:
+    from metaroce_agent.loop import retry_delay
+
+    delays = [retry_delay(n, base=5, cap=300) for n in range(1, 9)]
+    assert delays == [5, 10, 20, 40, 80, 160, 300, 300]
+
+
+def _errors(agent: Agent) -> str:
+    status = agent.state.status
+    return "" if status is None else " | ".join(f"{e.step}: {e.message}" for e in status.errors)
