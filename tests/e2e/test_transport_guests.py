@@ -6,10 +6,12 @@ host's ``metaroce-perf`` runs in the guests from the repository share
 
 1. metaroce-perf and ib_write_bw (RC over rxe) lossless, then with netem 1% random loss
    on both guests (data and ACKs); both with the same 1 ms netem delay, so the ratio
-   isolates the loss. Asserted: every run completes and moves data, metaroce recovers
-   the losses by retransmission. The goodputs and ratios are printed, not asserted: the
-   timed figures belong to bench/transport_guests.py (TCG guests on a shared 2-core
-   host are too noisy for a performance assert in a test).
+   isolates the loss. Asserted: every metaroce run completes and moves data, and
+   recovers the losses by retransmission; rxe's lossless run completes (rxe giving up
+   under loss is reported as 0, it is the comparison's finding). The goodputs and
+   ratios are printed, not asserted: the timed figures belong to
+   bench/transport_guests.py (TCG guests on a shared 2-core host are too noisy for a
+   performance assert in a test).
 2. an htb bottleneck with a RED ``ecn`` leaf on node-1's egress: RED marks the
    transport's ECT packets CE, the receiver counts the marks and data still moves.
 
@@ -80,7 +82,16 @@ def test_metaroce_perf_beside_rxe_under_netem_loss(pair: tuple[Guest, Guest, Pat
             f"{rep['packets_sent']} packets, retransmits {rep['retransmits']}, spurious "
             f"{rep['spurious_retransmits']}, rtos {rep['rtos']}"
         )
-        goodput["rxe", loss] = ib_write_bw(client, server, SECONDS)
+        if loss == 0:
+            goodput["rxe", loss] = ib_write_bw(client, server, SECONDS)  # the setup works
+        else:
+            # rxe's go-back-N may give up under loss (RC retry count exceeded): that is
+            # the comparison's finding, not a failure of this project; it counts as 0.
+            try:
+                goodput["rxe", loss] = ib_write_bw(client, server, SECONDS, attempts=2)
+            except AssertionError as e:
+                print(f"ib_write_bw (rxe) gave up at {loss:g}% loss: {str(e)[-300:]}")
+                goodput["rxe", loss] = 0.0
         print(f"ib_write_bw (rxe) at {loss:g}% loss: {goodput['rxe', loss]:.3f} Gb/s")
     ratios = {arm: goodput[arm, LOSS_PERCENT] / goodput[arm, 0.0] for arm in ("metaroce", "rxe")}
     print(
