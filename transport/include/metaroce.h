@@ -74,7 +74,8 @@ struct mr_completion {
  * what is allowed. Keys (defaults in brackets; the env var MR_CONFIG is read
  * first, config overrides it):
  *   addr=IP              local IPv4 or IPv6 address to bind [0.0.0.0 refused: needs a routable address]
- *   ports=LO-HI          UDP port range for the endpoint's sockets [ephemeral]
+ *   ports=LO-HI          UDP port range for the endpoint's sockets: socket 0 (the
+ *                        endpoint's name) takes the first free port from LO [ephemeral]
  *   paths=N              paths (sockets) per endpoint, 1..64 [8]
  *   mtu=N                path MTU in bytes, 576..9216 [from the route, else 1500]
  *   abort_timeout_ms=N   fail a peer silent for this long [30000]
@@ -84,7 +85,7 @@ struct mr_completion {
  */
 int mr_ep_open(const char *config, mr_ep **out);
 int mr_ep_close(mr_ep *ep); /* lingers until sent data is acknowledged (bounded) */
-int mr_ep_name(mr_ep *ep, void *addr, size_t *len);          /* MR_ADDR_LEN bytes */
+int mr_ep_name(mr_ep *ep, void *addr, size_t *len);          /* MR_ADDR_LEN bytes; -MR_ETRUNC if *len is smaller */
 int mr_addr_format(const void *addr, size_t len, char *buf, size_t buflen); /* "udp://ip:port" */
 int mr_addr_parse(const char *str, void *addr, size_t *len);
 
@@ -114,8 +115,10 @@ int mr_recv(mr_ep *ep, mr_peer peer, void *buf, size_t len, uint64_t tag,
 
 /*
  * Look for a message that arrived unmatched. 0: found, *out describes it (len is
- * the full message length, buf NULL); with MR_CLAIM it is held for context;
- * with MR_CLAIM|MR_DISCARD it is dropped. -MR_ENOMSG: none.
+ * the full message length, buf NULL); with MR_CLAIM it is held for context
+ * (take it with mr_recv(..., MR_CLAIM, context), or drop it with
+ * mr_recv(..., MR_CLAIM | MR_DISCARD, context), which writes a completion);
+ * with MR_DISCARD alone the match is dropped. -MR_ENOMSG: none.
  */
 int mr_peek(mr_ep *ep, mr_peer peer, uint64_t tag, uint64_t ignore, uint32_t flags,
             void *context, struct mr_completion *out);
@@ -126,7 +129,7 @@ int mr_cancel(mr_ep *ep, void *context);
 /* Completions: mr_poll never blocks; mr_wait blocks up to timeout_ms (-1: forever). */
 int mr_poll(mr_ep *ep, struct mr_completion *out, size_t max);
 int mr_wait(mr_ep *ep, int timeout_ms);
-int mr_ep_fd(mr_ep *ep);      /* readable while completions are pending */
+int mr_ep_fd(mr_ep *ep);      /* readable exactly while completions are pending */
 int mr_progress(mr_ep *ep);   /* for progress=manual: do pending I/O now */
 
 size_t mr_max_inject(void);

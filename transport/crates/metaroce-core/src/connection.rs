@@ -40,6 +40,7 @@ pub struct ConnParams {
     pub ack_delay: Micros,
     pub hello_interval: Micros,
     pub max_ack_entries: usize,
+    pub queue_target: Micros,
 }
 
 impl Clone for PathTimers {
@@ -202,8 +203,9 @@ fn seg_count(len: u32, mss: u32) -> u32 {
 impl Connection {
     pub fn new(now: Micros, local_token: u64, addr: SocketAddr, peer: PeerId, params: ConnParams, epochs: &[u16]) -> Self {
         let mss = params.mss;
-        let paths =
-            (0..params.paths).map(|i| Path::new(i, epochs[i as usize], mss as u64, params.max_window, params.initial_rtt)).collect();
+        let paths = (0..params.paths)
+            .map(|i| Path::new(i, epochs[i as usize], mss as u64, params.max_window, params.initial_rtt, params.queue_target))
+            .collect();
         Self {
             local_token,
             peer_token: 0,

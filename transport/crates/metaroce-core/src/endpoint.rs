@@ -43,6 +43,8 @@ pub struct Config {
     pub hello_interval: Micros,
     /// Per path, bytes.
     pub max_window: u64,
+    /// Queueing delay over the path's minimum RTT before its window comes down.
+    pub queue_target: Micros,
 }
 
 impl Default for Config {
@@ -66,6 +68,7 @@ impl Default for Config {
             ack_delay: 100,
             hello_interval: 5 * MS,
             max_window: 4 << 20,
+            queue_target: crate::congestion::aimd::QUEUE_TARGET_US,
         }
     }
 }
@@ -108,6 +111,7 @@ impl Config {
             ack_delay: self.ack_delay,
             hello_interval: self.hello_interval,
             max_ack_entries: wire::max_ack_entries(self.mtu as usize),
+            queue_target: self.queue_target,
         }
     }
 }

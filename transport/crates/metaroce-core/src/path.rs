@@ -119,7 +119,7 @@ pub const STEER_MIN: f64 = 0.1;
 pub const SUSPECT_RATE_FACTOR: f64 = 0.25;
 
 impl Path {
-    pub fn new(index: u8, epoch: u16, mss: u64, max_window: u64, initial_rtt: Micros) -> Self {
+    pub fn new(index: u8, epoch: u16, mss: u64, max_window: u64, initial_rtt: Micros, queue_target: Micros) -> Self {
         Self {
             index,
             epoch,
@@ -128,7 +128,7 @@ impl Path {
             in_flight: VecDeque::new(),
             inflight_bytes: 0,
             rtt: Rtt::new(initial_rtt),
-            cc: Aimd::new(mss, max_window),
+            cc: Aimd::new(mss, max_window).with_queue_target(queue_target),
             backoff: 0,
             last_ack_at: 0,
             last_send_at: 0,

@@ -24,7 +24,7 @@ impl Default for EpConfig {
 }
 
 pub const KEYS: &str =
-    "addr, ports, paths, mtu, dscp, abort_timeout_ms, progress, rate_mbps, max_conns, eager_max, credit_window, sock_buf, min_rto_us";
+    "addr, ports, paths, mtu, dscp, abort_timeout_ms, progress, rate_mbps, max_conns, eager_max, credit_window, sock_buf, min_rto_us, queue_target_us";
 
 fn num<T: std::str::FromStr>(key: &str, v: &str, allowed: &str) -> Result<T, String> {
     v.parse().map_err(|_| format!("config {key}={v:?}: not a number ({allowed})"))
@@ -77,6 +77,7 @@ impl EpConfig {
                 }
                 "abort_timeout_ms" => self.core.abort_timeout = num::<u64>(k, v, "milliseconds")? * MS,
                 "min_rto_us" => self.core.min_rto = num(k, v, "microseconds")?,
+                "queue_target_us" => self.core.queue_target = num(k, v, "microseconds")?,
                 "rate_mbps" => self.core.rate_mbps = num(k, v, "Mbit/s, 0 = no hint")?,
                 "max_conns" => self.core.max_conns = num(k, v, "connections")?,
                 "eager_max" => self.core.eager_max = num(k, v, "bytes")?,

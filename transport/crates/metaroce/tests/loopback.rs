@@ -56,3 +56,21 @@ fn bad_config_names_the_key() {
     let e = Transport::open(Some("adr=1.2.3.4")).err().unwrap();
     assert!(e.contains("\"adr\""), "{e}");
 }
+
+#[test]
+fn ipv6_and_jumbo_mtu() {
+    for cfg in ["addr=::1,paths=2", "addr=127.0.0.1,paths=2,mtu=9000"] {
+        let a = Transport::open(Some(cfg)).unwrap();
+        let b = Transport::open(Some(cfg)).unwrap();
+        let to_b = a.peer(b.local_addr()).unwrap();
+        let from_a = b.peer(a.local_addr()).unwrap();
+        b.recv(from_a, RecvBuf::owned(300_000), 1, 0, true, 1, true).unwrap();
+        a.send(to_b, SendBuf::owned(pattern(3, 300_000)), 1, true, None, 1, true).unwrap();
+        let r = wait_for(&b, 1, Duration::from_secs(10));
+        assert_eq!(r.len(), 1, "{cfg}: {:?}", b.counters());
+        let c = r.into_iter().next().unwrap();
+        assert!(c.buf.unwrap().into_vec().unwrap() == pattern(3, 300_000), "{cfg}");
+        // Every datagram fit the MTU: none was refused with EMSGSIZE.
+        assert_eq!(a.counters().unwrap().1.tx_errors, 0, "{cfg}: {:?}", a.last_io_error());
+    }
+}

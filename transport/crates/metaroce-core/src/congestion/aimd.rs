@@ -14,6 +14,7 @@ pub const MIN_WINDOW_PACKETS: u64 = 2;
 pub const BETA_LOSS: f64 = 0.7;
 pub const ALPHA_GAIN: f64 = 1.0 / 16.0;
 /// Queueing delay a path may build before the window comes down.
+/// Default queueing delay a path may build before the window comes down.
 pub const QUEUE_TARGET_US: Micros = 500;
 /// Swift's beta and cap on one decrease.
 pub const BETA_DELAY: f64 = 0.8;
@@ -30,12 +31,28 @@ pub struct Aimd {
     alpha: f64,
     last_ce_cut: Micros,
     last_delay_cut: Micros,
+    queue_target: Micros,
 }
 
 impl Aimd {
     pub fn new(mss: u64, max_window: u64) -> Self {
         let cwnd = (INITIAL_WINDOW_PACKETS * mss).min(max_window);
-        Self { mss, max_window, cwnd, ssthresh: u64::MAX, recovery_until: 0, alpha: 0.0, last_ce_cut: 0, last_delay_cut: 0 }
+        Self {
+            mss,
+            max_window,
+            cwnd,
+            ssthresh: u64::MAX,
+            recovery_until: 0,
+            alpha: 0.0,
+            last_ce_cut: 0,
+            last_delay_cut: 0,
+            queue_target: QUEUE_TARGET_US,
+        }
+    }
+
+    pub fn with_queue_target(mut self, target: Micros) -> Self {
+        self.queue_target = target;
+        self
     }
 
     fn min_window(&self) -> u64 {
@@ -53,7 +70,7 @@ impl Controller for Aimd {
     }
 
     fn on_ack(&mut self, now: Micros, acked: u64, rtt: Micros, min_rtt: Micros, srtt: Micros) {
-        let target = min_rtt.saturating_add(QUEUE_TARGET_US.max(min_rtt / 2));
+        let target = min_rtt.saturating_add(self.queue_target.max(min_rtt / 2));
         if rtt > target {
             if now >= self.last_delay_cut + srtt.max(1) {
                 self.last_delay_cut = now;
@@ -96,7 +113,7 @@ impl Controller for Aimd {
     }
 
     fn reset(&mut self) {
-        *self = Self::new(self.mss, self.max_window);
+        *self = Self::new(self.mss, self.max_window).with_queue_target(self.queue_target);
     }
 }
 
