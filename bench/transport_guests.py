@@ -62,6 +62,8 @@ def measure_level(
     delay_ms: float,
     runs: int,
     seconds: int,
+    config: str = "",
+    rxe_flags: str = IB_WRITE_BW_FLAGS,
 ) -> dict[str, Any]:
     """``runs`` runs of each arm (interleaved) at one netem loss level."""
     for g in (client, server):
@@ -73,7 +75,7 @@ def measure_level(
     }
     for i in range(runs):
         try:
-            r = metaroce_perf(client, server, perf, seconds)
+            r = metaroce_perf(client, server, perf, seconds, config=config)
             arms["metaroce"]["gbps"].append(r.gbps)
             rep = r.report
             arms["metaroce"]["runs"].append(
@@ -102,7 +104,7 @@ def measure_level(
             arms["metaroce"]["failures"].append(str(e)[-1500:])
             print(f"  loss {loss}% run {i + 1}: metaroce FAILED: {str(e)[-400:]}", flush=True)
         try:
-            bw = ib_write_bw(client, server, seconds, attempts=1)
+            bw = ib_write_bw(client, server, seconds, attempts=1, flags=rxe_flags)
             arms["rxe"]["gbps"].append(bw)
             print(f"  loss {loss}% run {i + 1}: rxe      {bw:.3f} Gb/s", flush=True)
         except AssertionError as e:
@@ -160,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="RED bottleneck rate (default: half metaroce's lossless median)",
     )
+    p.add_argument("--config", default="", help="metaroce-perf --config K=V,... (both ends)")
+    p.add_argument("--rxe-flags", default=IB_WRITE_BW_FLAGS, help="ib_write_bw's flags")
     p.add_argument("--json", type=Path, help="write the results here as JSON")
     args = p.parse_args(argv)
     if args.runs < 1 or args.seconds < 1:
@@ -170,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {
         "runs": args.runs,
         "seconds": args.seconds,
-        "ib_write_bw_flags": IB_WRITE_BW_FLAGS,
+        "ib_write_bw_flags": args.rxe_flags,
+        "metaroce_config": args.config,
         "load_average_start": load_average(),
         "levels": [],
     }
@@ -185,7 +190,17 @@ def main(argv: list[str] | None = None) -> int:
         for loss in [0.0, *losses]:
             print(f"loss {loss}% (netem delay {args.delay_ms} ms on both guests):", flush=True)
             results["levels"].append(
-                measure_level(client, server, perf, loss, args.delay_ms, args.runs, args.seconds)
+                measure_level(
+                    client,
+                    server,
+                    perf,
+                    loss,
+                    args.delay_ms,
+                    args.runs,
+                    args.seconds,
+                    args.config,
+                    args.rxe_flags,
+                )
             )
         if args.red:
             base = results["levels"][0]["arms"]["metaroce"]["median_gbps"] or 0.2

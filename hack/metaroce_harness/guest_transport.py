@@ -202,12 +202,18 @@ def ensure_rxe(guest: Guest) -> None:
     )
 
 
-def ib_write_bw(client: Guest, server: Guest, seconds: int, attempts: int = 3) -> float:
+def ib_write_bw(
+    client: Guest,
+    server: Guest,
+    seconds: int,
+    attempts: int = 3,
+    flags: str = IB_WRITE_BW_FLAGS,
+) -> float:
     """ib_write_bw (RC over rxe) from ``client`` to ``server`` for ``seconds``: the
     client's average Gb/s. A run that reports no bandwidth (RC's retry count exceeded,
     which go-back-N reaches under loss) is repeated, ``attempts`` runs in all; then
     AssertionError with the output."""
-    opts = f"-d {RXE} -x 1 -D {seconds} {IB_WRITE_BW_FLAGS}"
+    opts = f"-d {RXE} -x 1 -D {seconds} {flags}"
     out = ""
     for _ in range(attempts):
         srv = server.start(f"exec timeout {seconds + 90} ib_write_bw {opts}")
