@@ -6,7 +6,7 @@ eth0 with the same impairment, as netem on both guests' eth0 (data and ACK direc
 - metaroce: ``metaroce-perf client --json`` (1 MiB messages, 16 in flight), the host's
   release binary shared into the guests;
 - rxe: ``ib_write_bw`` RC writes over rdma_rxe (go-back-N), flags in
-  ``metaroce_harness.guest_transport.IB_WRITE_BW_FLAGS``.
+  ``metaroce_harness.guest_transport.BENCH_RXE_FLAGS`` (a 0.54 s ACK timeout).
 
 Each loss level (lossless first, then each ``--loss``) gets ``--runs`` runs per arm,
 arms interleaved; the table gives medians, every run's figure, and each arm's ratio to
@@ -17,7 +17,7 @@ marks and the goodput against the shaped rate. TCG guests are 10-20x slower than
 hardware: absolute figures are of emulated guests; ratios are what count.
 
     flock /tmp/metaroce-heavy.lock .venv/bin/python bench/transport_guests.py \
-        [--runs 3] [--seconds 8] [--loss 1 --loss 3] [--delay-ms 1] [--red] [--json out.json]
+        [--runs 3] [--seconds 10] [--loss 1 --loss 3] [--delay-ms 1] [--red] [--json out.json]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from metaroce_harness.guest_transport import (
-    IB_WRITE_BW_FLAGS,
+    BENCH_RXE_FLAGS,
     clear_qdisc,
     ensure_rxe,
     ib_write_bw,
@@ -63,7 +63,7 @@ def measure_level(
     runs: int,
     seconds: int,
     config: str = "",
-    rxe_flags: str = IB_WRITE_BW_FLAGS,
+    rxe_flags: str = BENCH_RXE_FLAGS,
 ) -> dict[str, Any]:
     """``runs`` runs of each arm (interleaved) at one netem loss level."""
     for g in (client, server):
@@ -152,7 +152,7 @@ def measure_red(
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--runs", type=int, default=3, help="runs per arm and loss level")
-    p.add_argument("--seconds", type=int, default=8, help="seconds per run")
+    p.add_argument("--seconds", type=int, default=10, help="seconds per run")
     p.add_argument("--loss", type=float, action="append", help="netem loss %% (default 1 and 3)")
     p.add_argument("--delay-ms", type=float, default=1.0, help="netem delay on each guest")
     p.add_argument("--red", action="store_true", help="also the htb + RED ecn bottleneck")
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         help="RED bottleneck rate (default: half metaroce's lossless median)",
     )
     p.add_argument("--config", default="", help="metaroce-perf --config K=V,... (both ends)")
-    p.add_argument("--rxe-flags", default=IB_WRITE_BW_FLAGS, help="ib_write_bw's flags")
+    p.add_argument("--rxe-flags", default=BENCH_RXE_FLAGS, help="ib_write_bw's flags")
     p.add_argument("--json", type=Path, help="write the results here as JSON")
     args = p.parse_args(argv)
     if args.runs < 1 or args.seconds < 1:
