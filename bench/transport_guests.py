@@ -1,0 +1,259 @@
+"""Benchmark: metaroce-perf beside ib_write_bw (rxe) between two SoftRoCE guests under netem.
+
+Two qemu (TCG) guests on the harness's private L2. Both arms run node-1 -> node-2 over
+eth0 with the same impairment, as netem on both guests' eth0 (data and ACK directions):
+
+- metaroce: ``metaroce-perf client --json`` (1 MiB messages, 16 in flight), the host's
+  release binary shared into the guests;
+- rxe: ``ib_write_bw`` RC writes over rdma_rxe (go-back-N), flags in
+  ``metaroce_harness.guest_transport.BENCH_RXE_FLAGS`` (a 0.54 s ACK timeout).
+
+Each loss level (lossless first, then each ``--loss``) gets ``--runs`` runs per arm,
+arms interleaved; the table gives medians, every run's figure, and each arm's ratio to
+its own lossless median (the issue's figure: metaroce >= 0.85 at 1%). The lossless arm
+has the same netem delay, so the ratio isolates the loss. With ``--red`` a last section
+shapes node-1's egress with htb + RED ``ecn`` and reports metaroce's CE marks, RED's
+marks and the goodput against the shaped rate. TCG guests are 10-20x slower than
+hardware: absolute figures are of emulated guests; ratios are what count.
+
+    flock /tmp/metaroce-heavy.lock .venv/bin/python bench/transport_guests.py \
+        [--runs 3] [--seconds 10] [--loss 1 --loss 3] [--delay-ms 1] [--red] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from metaroce_harness.guest_transport import (
+    BENCH_RXE_FLAGS,
+    clear_qdisc,
+    ensure_rxe,
+    ib_write_bw,
+    load_average,
+    metaroce_perf,
+    red_marked,
+    set_netem,
+    set_red_bottleneck,
+    stage_perf,
+    tune_socket_buffers,
+)
+from metaroce_harness.guests import Guest, GuestCluster
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def _fmt(x: float | None, spec: str = ".3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def measure_level(
+    client: Guest,
+    server: Guest,
+    perf: Path,
+    loss: float,
+    delay_ms: float,
+    runs: int,
+    seconds: int,
+    config: str = "",
+    rxe_flags: str = BENCH_RXE_FLAGS,
+) -> dict[str, Any]:
+    """``runs`` runs of each arm (interleaved) at one netem loss level."""
+    for g in (client, server):
+        set_netem(g, loss, delay_ms)
+    level: dict[str, Any] = {"loss_percent": loss, "delay_ms": delay_ms}
+    arms: dict[str, dict[str, Any]] = {
+        "metaroce": {"gbps": [], "runs": [], "failures": []},
+        "rxe": {"gbps": [], "failures": []},
+    }
+    for i in range(runs):
+        try:
+            r = metaroce_perf(client, server, perf, seconds, config=config)
+            arms["metaroce"]["gbps"].append(r.gbps)
+            rep = r.report
+            arms["metaroce"]["runs"].append(
+                {
+                    k: rep[k]
+                    for k in (
+                        "goodput_gbps",
+                        "bytes",
+                        "seconds",
+                        "packets_sent",
+                        "retransmits",
+                        "spurious_retransmits",
+                        "ce_marks",
+                        "rtos",
+                        "sock_rcvbuf",
+                    )
+                }
+            )
+            print(
+                f"  loss {loss}% run {i + 1}: metaroce {r.gbps:.3f} Gb/s "
+                f"(retx {rep['retransmits']}, spurious {rep['spurious_retransmits']}, "
+                f"rtos {rep['rtos']}, pkts {rep['packets_sent']})",
+                flush=True,
+            )
+        except AssertionError as e:
+            arms["metaroce"]["failures"].append(str(e)[-1500:])
+            print(f"  loss {loss}% run {i + 1}: metaroce FAILED: {str(e)[-400:]}", flush=True)
+        try:
+            bw = ib_write_bw(client, server, seconds, attempts=1, flags=rxe_flags)
+            arms["rxe"]["gbps"].append(bw)
+            print(f"  loss {loss}% run {i + 1}: rxe      {bw:.3f} Gb/s", flush=True)
+        except AssertionError as e:
+            arms["rxe"]["failures"].append(str(e)[-1500:])
+            arms["rxe"]["gbps"].append(0.0)  # RC gave up (retry exceeded): no goodput
+            print(
+                f"  loss {loss}% run {i + 1}: rxe      FAILED (counted 0): {str(e)[-300:]}",
+                flush=True,
+            )
+    for arm in arms.values():
+        arm["median_gbps"] = _median(arm["gbps"])
+    level["arms"] = arms
+    level["load_average"] = load_average()
+    return level
+
+
+def measure_red(
+    client: Guest, server: Guest, perf: Path, rate_mbit: int, delay_ms: float, seconds: int
+) -> dict[str, Any]:
+    """metaroce-perf through an htb bottleneck at ``rate_mbit`` with a RED ``ecn`` leaf on
+    the client's egress (netem delay on the server's, for the ACK path)."""
+    for g in (client, server):
+        clear_qdisc(g)
+    set_netem(server, 0, delay_ms)
+    qdisc = set_red_bottleneck(client, rate_mbit, delay_ms=0)
+    before = red_marked(client)
+    r = metaroce_perf(client, server, perf, seconds)
+    after = red_marked(client)
+    rep = r.report
+    return {
+        "rate_mbit": rate_mbit,
+        "goodput_gbps": r.gbps,
+        "goodput_over_rate": r.gbps * 1000 / rate_mbit,
+        "ce_marks_seen_by_receiver": rep["ce_marks"],
+        "red_marked": after.get("marked", 0) - before.get("marked", 0),
+        "red_early_drops": after.get("early", 0) - before.get("early", 0),
+        "retransmits": rep["retransmits"],
+        "packets_sent": rep["packets_sent"],
+        "rtos": rep["rtos"],
+        "qdisc": qdisc,
+        "load_average": load_average(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--runs", type=int, default=3, help="runs per arm and loss level")
+    p.add_argument("--seconds", type=int, default=10, help="seconds per run")
+    p.add_argument("--loss", type=float, action="append", help="netem loss %% (default 1 and 3)")
+    p.add_argument("--delay-ms", type=float, default=1.0, help="netem delay on each guest")
+    p.add_argument("--red", action="store_true", help="also the htb + RED ecn bottleneck")
+    p.add_argument(
+        "--red-rate-mbit",
+        type=int,
+        default=0,
+        help="RED bottleneck rate (default: half metaroce's lossless median)",
+    )
+    p.add_argument("--config", default="", help="metaroce-perf --config K=V,... (both ends)")
+    p.add_argument("--rxe-flags", default=BENCH_RXE_FLAGS, help="ib_write_bw's flags")
+    p.add_argument("--json", type=Path, help="write the results here as JSON")
+    args = p.parse_args(argv)
+    if args.runs < 1 or args.seconds < 1:
+        p.error(f"--runs {args.runs} / --seconds {args.seconds}: both must be at least 1")
+    losses = args.loss or [1.0, 3.0]
+    if any(not 0 < x < 100 for x in losses):
+        p.error(f"--loss {losses}: each must be a percentage between 0 and 100 (exclusive)")
+    results: dict[str, Any] = {
+        "runs": args.runs,
+        "seconds": args.seconds,
+        "ib_write_bw_flags": args.rxe_flags,
+        "metaroce_config": args.config,
+        "load_average_start": load_average(),
+        "levels": [],
+    }
+    print(f"load average at start: {results['load_average_start']}", flush=True)
+    perf = stage_perf()
+    t0 = time.monotonic()
+    with GuestCluster(count=2, memory_mb=1024) as guests:
+        client, server = guests[0], guests[1]
+        for g in guests:
+            tune_socket_buffers(g)
+            ensure_rxe(g)
+        for loss in [0.0, *losses]:
+            print(f"loss {loss}% (netem delay {args.delay_ms} ms on both guests):", flush=True)
+            results["levels"].append(
+                measure_level(
+                    client,
+                    server,
+                    perf,
+                    loss,
+                    args.delay_ms,
+                    args.runs,
+                    args.seconds,
+                    args.config,
+                    args.rxe_flags,
+                )
+            )
+        if args.red:
+            base = results["levels"][0]["arms"]["metaroce"]["median_gbps"] or 0.2
+            rate = args.red_rate_mbit or max(20, int(base * 1000 / 2))
+            print(f"RED ecn bottleneck at {rate} Mbit/s on node-1's egress:", flush=True)
+            try:
+                results["red"] = measure_red(
+                    client, server, perf, rate, args.delay_ms, args.seconds
+                )
+            except AssertionError as e:
+                results["red"] = {"rate_mbit": rate, "failed": str(e)[-1500:]}
+        for g in guests:
+            clear_qdisc(g)
+    results["wall_seconds"] = round(time.monotonic() - t0, 1)
+    results["load_average_end"] = load_average()
+
+    lossless = {
+        arm: results["levels"][0]["arms"][arm]["median_gbps"] for arm in ("metaroce", "rxe")
+    }
+    print("\nresults (medians; Gb/s; ratio = goodput / the same arm's lossless median)")
+    print(f"  {'netem loss':>10}  {'metaroce':>9} {'ratio':>6}  {'rxe':>9} {'ratio':>6}  runs")
+    for level in results["levels"]:
+        row = [f"  {level['loss_percent']:>9}%"]
+        runs = []
+        for arm in ("metaroce", "rxe"):
+            med = level["arms"][arm]["median_gbps"]
+            base = lossless[arm]
+            ratio = med / base if med is not None and base else None
+            level["arms"][arm]["ratio_to_lossless"] = ratio
+            row.append(f"{_fmt(med):>9} {_fmt(ratio, '.2f'):>6}")
+            runs.append(f"{arm} " + ",".join(f"{x:.3f}" for x in level["arms"][arm]["gbps"]))
+        print("  ".join(row) + "  " + "; ".join(runs) + f"  (load {level['load_average']})")
+    red = results.get("red")
+    if red and "failed" not in red:
+        print(
+            f"  RED ecn at {red['rate_mbit']} Mbit/s: metaroce {red['goodput_gbps']:.3f} Gb/s "
+            f"= {red['goodput_over_rate']:.2f} of the rate; CE seen by the receiver "
+            f"{red['ce_marks_seen_by_receiver']}, RED marked {red['red_marked']}, RED early "
+            f"drops {red['red_early_drops']}, retransmits {red['retransmits']}"
+        )
+    elif red:
+        print(f"  RED: FAILED {red['failed'][-400:]}")
+    print(
+        f"  load average: start {results['load_average_start']}, end {results['load_average_end']}"
+    )
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1) + "\n")
+        print(f"  JSON: {args.json}")
+    else:
+        print(json.dumps(results, indent=1))
+    failed = any(lv["arms"]["metaroce"]["failures"] for lv in results["levels"])
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
