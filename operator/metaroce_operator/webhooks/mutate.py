@@ -4,8 +4,10 @@
 `Denied(message)`. The server only decodes the AdmissionReview and encodes the answer.
 
 For each network named in the annotation (comma list, trimmed, deduplicated, order kept):
-- the network must exist and have at least one healthy node (`status.nodes.healthy`);
-  a network that is only partly ready is fine (jobs can start on the ready nodes);
+- the network must exist and be readable; its nodes' health is not admission's
+  business (every agent-config rollout has no healthy node until the agents report
+  again; the scheduler, the advertised resources and the taints keep pods off bad
+  nodes), so only what is wrong with the pod or the network's existence is refused;
 - the container NCCL runs in (the first container, or the one named by the annotation
   `metaroce.io/container`, which may be an init container) gets `requests` and `limits`
   of the network's resource = 1, unless some container (init containers included)
@@ -333,14 +335,6 @@ def mutate_pod(
             return Denied(
                 f"{who}: network {name!r} cannot be read by this operator: {view.problem}; "
                 "fix the MetaRoceNetwork or upgrade the operator"
-            )
-        if view.healthy_nodes == 0:
-            desired = view.desired_nodes
-            return Denied(
-                f"{who}: network {name!r} has no ready node yet (0 of {desired} node(s) "
-                "configured and healthy): wait until `kubectl get metarocenetwork {name}` "
-                "shows nodes, or read its status.failingNodes; "
-                f"{_existing(networks)}"
             )
         views.append(view)
 
