@@ -147,18 +147,48 @@ class Controller:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._kick = asyncio.Event()
         self._timers: dict[str, asyncio.TimerHandle] = {}
+        self.nodestates = Informer(
+            self.kube, NODESTATE, lambda t, body: self.on_event(c.NODESTATE_KIND, t, body)
+        )
 
     # -- lifecycle ----------------------------------------------------------------------
 
+    @property
+    def synced(self) -> bool:
+        """Whether the NodeState informer's first list is complete. Until then the store
+        knows no report, and "no report" must not be read as "nothing configured" or
+        "every node reverted": status, cleanup, conflicts, taints and the garbage
+        collection of NodeStates all wait for it."""
+        return self.nodestates.synced.is_set()
+
     async def run(self) -> None:
-        """The NodeState watch, the status loop and the node pass, until cancelled."""
-        nodestates = Informer(
-            self.kube, NODESTATE, lambda t, body: self.on_event(c.NODESTATE_KIND, t, body)
-        )
+        """The NodeState watch, then (once its first list is in) the status loop and the
+        node pass, until cancelled."""
         async with asyncio.TaskGroup() as group:
-            group.create_task(nodestates.run(), name="NodeState watch")
-            group.create_task(self.batch.run(), name="status batching")
-            group.create_task(self._node_pass_loop(), name="node pass")
+            group.create_task(self.nodestates.run(), name="NodeState watch")
+            group.create_task(self._after_sync(self.batch.run()), name="status batching")
+            group.create_task(self._after_sync(self._node_pass_loop()), name="node pass")
+
+    async def _after_sync(self, work: Coroutine[Any, Any, None]) -> None:
+        try:
+            await self._wait_synced()
+        except BaseException:
+            work.close()
+            raise
+        await work
+
+    async def _wait_synced(self) -> None:
+        waited = 0.0
+        while not self.synced:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.nodestates.synced.wait(), 30.0)
+            if not self.synced:
+                waited += 30.0
+                log.warning(
+                    "the NodeStates are not listed yet (%.0f s): status, cleanup, taints and "
+                    "NIC conflicts wait for them (see the watch errors above)",
+                    waited,
+                )
 
     def close(self) -> None:
         for task in list(self._tasks):
@@ -318,6 +348,7 @@ class Controller:
     async def reconcile(self, body: dict[str, Any]) -> None:
         """Render and apply the children of one network (idempotent)."""
         name = body["metadata"]["name"]
+        await self._wait_synced()  # NIC conflicts are judged from the reported netdevs too
         async with self._locks[name]:
             if cleanup.deleting(body):
                 return
@@ -444,6 +475,9 @@ class Controller:
         """Compute the status of one network and write it if it changed."""
         body = self.store.networks.get(name)
         if body is None:
+            return
+        if not self.synced:  # the batch loop starts after the sync; belt and braces
+            self.batch.mark(name)
             return
         if cleanup.deleting(body):
             await self._flush_deleting(name, body)
