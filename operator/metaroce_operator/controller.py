@@ -649,8 +649,17 @@ class Controller:
                 self.store.eligible[name] = eligible
                 self.batch.mark(name)
         self._check_conflicts(valid, labels)
+        # Known from the list or from a watch event: a network created a moment ago may be
+        # missing from the (watch-cache) list, and its fresh taint is not an orphan.
+        await self._remove_orphaned_taints(live_networks | set(self.store.networks))
         for name, network in valid.items():
-            await self._taints(name, network)
+            await self._taints(name, network, live_networks)
+
+    async def _remove_orphaned_taints(self, live_networks: set[str]) -> None:
+        """Taints of networks that are gone (the network's own planning stops with it)."""
+        for node, network in taints.orphaned_taints(self.store.nodes or {}, live_networks).items():
+            if await taints.set_taint(self.kube, node, network, False):
+                log.info("removed the taint of deleted network %s from node %s", network, node)
 
     def _check_conflicts(
         self, valid: dict[str, MetaRoceNetwork], labels: Mapping[str, Mapping[str, str]]
@@ -716,7 +725,7 @@ class Controller:
         await self.kube.delete_collection(NODESTATE, label_selector=f"{c.NETWORK_LABEL}={network}")
         log.info("deleted the NodeStates of %s", network)
 
-    async def _taints(self, name: str, network: MetaRoceNetwork) -> None:
+    async def _taints(self, name: str, network: MetaRoceNetwork, live: set[str]) -> None:
         health = network.spec.health
         reports = self.store.reports.get(name, {})
         verdicts = probes.judge(reports, health.probe)
@@ -727,7 +736,13 @@ class Controller:
         }
         members = set(self.store.eligible.get(name) or reports)
         plan = taints.plan_taints(
-            name, health.action, health.max_tainted_fraction, members, sick, self.store.nodes or {}
+            name,
+            health.action,
+            health.max_tainted_fraction,
+            members,
+            sick,
+            self.store.nodes or {},
+            live=live,
         )
         if not plan.empty:
             changed = await taints.apply_plan(self.kube, name, plan)
