@@ -39,7 +39,7 @@ from metaroce_operator.conflicts import (
 )
 from metaroce_operator.informer import Informer
 from metaroce_operator.kube import KINDS, ApiError, Kube, NotLeader
-from metaroce_operator.observed import DaemonSetView, NodeReport, NodeView
+from metaroce_operator.observed import DaemonSetView, NodeReport, NodeView, parse_time
 from metaroce_operator.render import config_generation, render_network
 from metaroce_operator.render.common import agent_config, child_name, config_hash
 from metaroce_operator.settings import OperatorSettings
@@ -62,6 +62,7 @@ log = logging.getLogger("metaroce.operator.controller")
 NETWORK = KINDS[(c.API_VERSION, c.NETWORK_KIND)]
 NODESTATE = KINDS[(c.API_VERSION, c.NODESTATE_KIND)]
 CONFIGMAP = KINDS[("v1", "ConfigMap")]
+CLUSTERROLE = KINDS[("rbac.authorization.k8s.io/v1", "ClusterRole")]
 NODE = KINDS[("v1", "Node")]
 OS_LABEL = "kubernetes.io/os"
 
@@ -388,17 +389,26 @@ class Controller:
         digest = config_hash(agent_config(network))
         existing = await self.kube.get_or_none(CONFIGMAP, child_name(name), namespace)
         config_gen = config_generation(digest, generation, existing)
-        children = render_network(network, self.settings.render, config_generation=config_gen)
-        try:
-            await apply_children(self.kube, children, after=_kill_point)
-        except ApplyFailed as err:
-            self._apply_failed(name, err)
-            raise
+        wants = cleanup.wants_finalizer(body)
         has = c.CLEANUP_FINALIZER in cleanup.finalizers(body)
-        if cleanup.wants_finalizer(body) != has:
-            await cleanup.set_finalizer(
-                self.kube, name, cleanup.wants_finalizer(body), c.FIELD_MANAGER
+        if wants and not has:
+            # First: a child that exists without it would be collected unreverted if the
+            # network were deleted before the finalizer came.
+            await cleanup.set_finalizer(self.kube, name, True, c.FIELD_MANAGER)
+        children = render_network(network, self.settings.render, config_generation=config_gen)
+        if network.spec.cleanup_on_delete and network.metadata.uid:
+            # The ClusterRole owns the other children (see render.common.anchor_references):
+            # apply it first, then the rest with its uid.
+            role = await self._apply(name, children[:1])
+            anchor = str(role[0]["metadata"]["uid"])
+            children = render_network(
+                network, self.settings.render, config_generation=config_gen, anchor_uid=anchor
             )
+            await self._apply(name, children[1:])
+        else:
+            await self._apply(name, children)
+        if has and not wants:
+            await cleanup.set_finalizer(self.kube, name, False, c.FIELD_MANAGER)
         self.store.applied[name] = Applied(generation, config_gen, digest)
         self.store.errors.pop(name, None)
         log.info(
@@ -408,6 +418,13 @@ class Controller:
             config_gen,
         )
         self.batch.mark(name)
+
+    async def _apply(self, name: str, children: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        try:
+            return await apply_children(self.kube, children, after=_kill_point)
+        except ApplyFailed as err:
+            self._apply_failed(name, err)
+            raise
 
     async def _holding_conflicts(self, name: str, network: MetaRoceNetwork) -> list[Conflict]:
         """Conflicts with older networks, from a fresh list (a network created a moment
@@ -600,6 +617,10 @@ class Controller:
             )
         else:
             log.info("%s: every node reported its settings reverted; releasing", name)
+        # The agents go now (the ClusterRole owns the other children, see
+        # render.common.anchor_references), then the network.
+        if await self.kube.delete(CLUSTERROLE, child_name(name)):
+            log.info("%s: deleted its agents' ClusterRole; the rest is garbage-collected", name)
         await cleanup.set_finalizer(self.kube, name, False, c.FIELD_MANAGER)
 
     def _recheck_at(self, name: str, delay: float) -> None:
@@ -631,6 +652,7 @@ class Controller:
             b["metadata"]["name"] for b in await self.kube.list_items(NETWORK, cached=True)
         }
         await self._collect_garbage(live_networks)
+        await self._collect_orphaned_children(live_networks | set(self.store.networks))
         valid: dict[str, MetaRoceNetwork] = {}
         for name, body in self.store.networks.items():
             if cleanup.deleting(body):
@@ -718,6 +740,23 @@ class Controller:
             why = "node" if report.node not in nodes else "network"
             if await self.kube.delete(NODESTATE, report.name, uid=report.uid or None):
                 log.info("deleted NodeState %s: its %s no longer exists", report.name, why)
+
+    async def _collect_orphaned_children(self, live: set[str]) -> None:
+        """Delete the anchor ClusterRole of a network that is gone (its finalizer removed
+        by hand, or the operator down while it went): the garbage collector then takes
+        the agents and the rest. Children owned by a network are the collector's."""
+        selector = f"{c.MANAGED_BY_LABEL}={c.MANAGED_BY},{c.COMPONENT_LABEL}={c.COMPONENT_AGENT}"
+        now = now_utc()
+        for role in await self.kube.list_items(CLUSTERROLE, label_selector=selector, cached=True):
+            meta = role.get("metadata") or {}
+            network = (meta.get("labels") or {}).get(c.NETWORK_LABEL, "")
+            if not network or network in live or meta.get("ownerReferences"):
+                continue
+            created = parse_time(meta.get("creationTimestamp"))
+            if created and (now - created).total_seconds() < self.settings.nodestate_grace:
+                continue  # its network may be too new for the list
+            if await self.kube.delete(CLUSTERROLE, meta["name"], uid=meta.get("uid")):
+                log.info("deleted the agents of network %s, which no longer exists", network)
 
     async def _delete_nodestates(self, network: str) -> None:
         """One request for all of them (agents label their NodeStates); an unlabelled

@@ -36,8 +36,8 @@ def test_render_prints_the_children(capsys: pytest.CaptureFixture[str]) -> None:
     )
     docs = list(yaml.safe_load_all(capsys.readouterr().out))
     assert [d["kind"] for d in docs] == [
-        "ServiceAccount",
         "ClusterRole",
+        "ServiceAccount",
         "ClusterRoleBinding",
         "ConfigMap",
         "DaemonSet",
