@@ -36,6 +36,7 @@ unit_tests=(
   "tests/unit/webhooks/test_webhooks_mutate.py::test_node_health_is_not_admission_s_business"
   "tests/unit/operator/test_taints.py::test_taints_of_networks_that_no_longer_exist_are_orphans"
   "tests/unit/operator/test_taints.py::test_a_deleted_network_s_taint_does_not_count_toward_another_s_cap"
+  "tests/unit/webhooks/test_webhooks_validate.py::test_conflicting_networks_stay_editable_issue_16_9"
 )
 integration_tests=(
   "tests/integration/operator/test_operator_review_fixes.py::test_cleanup_finalizer_waits_for_the_first_nodestate_list"

@@ -122,7 +122,7 @@ class AdmissionHandler:
             return Allowed()  # matchConditions skip these already; belt and braces
         self._wait_synced()
         others = [v.network for v in self.networks().values() if v.network is not None]
-        verdict = validate_network_change(obj, others, self.node_labels())
+        verdict = validate_network_change(obj, others, self.node_labels(), old=old)
         name = (obj.get("metadata") or {}).get("name", "")
         if not verdict.allowed:
             return Denied(verdict.message(name), code=422, reason="Invalid")

@@ -65,9 +65,17 @@ SOFTROCE_DEVICE_GLOB = "rxe*"
 class Problem:
     field: str
     message: str
+    about: str = ""
+    """The other network the problem is with, if any (what an UPDATE compares)."""
 
     def __str__(self) -> str:
         return f"{self.field}: {self.message}"
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """The same problem in an old and a new spec (the message may differ in detail,
+        e.g. fewer shared nodes after a step towards the fix)."""
+        return (self.field, self.about or self.message)
 
 
 @dataclass
@@ -169,6 +177,7 @@ def _conflicts(
                     f"network {other.name!r} can select the same NICs on {len(both)} node(s) "
                     f"({shown}): {overlap}. Make spec.nics or spec.nodeSelector of the two "
                     "networks disjoint (or delete one of them)",
+                    about=other.name,
                 )
             )
         elif nodes is None:
@@ -178,6 +187,7 @@ def _conflicts(
                     f"network {other.name!r} can select the same NICs ({overlap}) and the two "
                     "node selectors can select the same nodes. Make spec.nics or "
                     "spec.nodeSelector of the two networks disjoint (or delete one of them)",
+                    about=other.name,
                 )
             )
         else:
@@ -233,6 +243,7 @@ def _resource_names(
                     f"resource name {mine!r} is already used by network {other.name!r} "
                     "(kubelets would see two device plugins for one resource): set another "
                     "spec.attachment.resourceName",
+                    about=other.name,
                 )
             )
 
@@ -331,12 +342,37 @@ def validate_network_change(
     obj: Mapping[str, Any],
     others: Iterable[MetaRoceNetwork],
     nodes: Mapping[str, Mapping[str, str]] | None = None,
+    old: Mapping[str, Any] | None = None,
 ) -> Verdict:
     """Judge a network create/update against the other networks and the nodes.
 
     `others`: the other networks (one with the same name is skipped); `nodes`: node name ->
     labels, or None when unknown (then NIC overlaps are judged from the selectors alone).
+    `old`: on UPDATE, the object before: a problem it had already (with the same network,
+    in the same field) is a warning, not a refusal. Two networks that came to conflict
+    (a race at admission, nodes relabelled since) must stay editable, or neither could
+    be fixed step by step; the leader holds the later one meanwhile.
     """
+    others = list(others)
+    verdict = _judge(obj, others, nodes)
+    if old is None or verdict.allowed:
+        return verdict
+    before = {p.key for p in _judge(old, others, nodes).problems}
+    kept = [p for p in verdict.problems if p.key in before]
+    for problem in kept:
+        verdict.warnings.append(
+            f"{problem} (the network had this problem before this change, so the change is "
+            "admitted; fix it)"
+        )
+    verdict.problems = [p for p in verdict.problems if p.key not in before]
+    return verdict
+
+
+def _judge(
+    obj: Mapping[str, Any],
+    others: Iterable[MetaRoceNetwork],
+    nodes: Mapping[str, Mapping[str, str]] | None,
+) -> Verdict:
     verdict = Verdict()
     try:
         net = parse_network(obj)
