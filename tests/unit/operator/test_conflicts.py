@@ -132,3 +132,33 @@ def test_equal_creation_times_are_ordered_by_name() -> None:
     assert a < b
     # Not created yet (no timestamp): after every existing network.
     assert created_order({"metadata": {"name": "a"}}) > b
+
+
+def test_selectors_on_different_attributes_are_decided_from_the_reports_issue_16_3() -> None:
+    """drivers on one side, interfaceNames on the other: no static verdict is possible
+    (the webhook admits the pair saying so); the NICs the agents report decide, and with
+    nothing that matches both, nothing is held."""
+    nodes = {"n1": {}}
+    old = network("old", nics={"drivers": ["mlx5_core"]})
+    new = network("new", nics={"interfaceNames": ["eth9"]})
+    nets = {n.name: n for n in (old, new)}
+    order = {"old": ("2026-01-01T00:00:00Z", "old"), "new": ("2026-01-01T00:00:05Z", "new")}
+    # Before any report, and with old's agents reporting a NIC new cannot select.
+    assert holding_conflicts("new", nets, order, nodes, {}) == []
+    assert holding_conflicts("new", nets, order, nodes, {"old": {"n1": ["ens1f0"]}}) == []
+    assert find_conflicts([old, new], nodes, {})["new"] == []
+
+
+def test_a_reported_nic_that_both_select_is_a_conflict_issue_16_3() -> None:
+    from metaroce_operator.observed import ReportedNic
+
+    nodes = {"n1": {}}
+    old = network("old", nics={"drivers": ["mlx5_core"]})
+    new = network("new", nics={"interfaceNames": ["ens1*"]})
+    nets = {n.name: n for n in (old, new)}
+    order = {"old": ("2026-01-01T00:00:00Z", "old"), "new": ("2026-01-01T00:00:05Z", "new")}
+    reported = {"old": {"n1": [ReportedNic("ens1f0", driver="mlx5_core")]}}
+    (held,) = holding_conflicts("new", nets, order, nodes, {}, nics=reported)
+    assert held.other == "old" and held.nodes == ("n1",) and "ens1f0" in held.message()
+    elsewhere = {"old": {"n1": [ReportedNic("ens2f0", driver="mlx5_core")]}}
+    assert holding_conflicts("new", nets, order, nodes, {}, nics=elsewhere) == []
