@@ -37,6 +37,8 @@ unit_tests=(
   "tests/unit/operator/test_taints.py::test_taints_of_networks_that_no_longer_exist_are_orphans"
   "tests/unit/operator/test_taints.py::test_a_deleted_network_s_taint_does_not_count_toward_another_s_cap"
   "tests/unit/webhooks/test_webhooks_validate.py::test_conflicting_networks_stay_editable_issue_16_9"
+  "tests/unit/operator/test_conflicts.py::test_selectors_on_different_attributes_are_decided_from_the_reports_issue_16_3"
+  "tests/unit/operator/test_conflicts.py::test_a_reported_nic_that_both_select_is_a_conflict_issue_16_3"
 )
 integration_tests=(
   "tests/integration/operator/test_operator_review_fixes.py::test_cleanup_finalizer_waits_for_the_first_nodestate_list"

@@ -39,7 +39,13 @@ from metaroce_operator.conflicts import (
 )
 from metaroce_operator.informer import Informer
 from metaroce_operator.kube import KINDS, ApiError, Kube, NotLeader
-from metaroce_operator.observed import DaemonSetView, NodeReport, NodeView, parse_time
+from metaroce_operator.observed import (
+    DaemonSetView,
+    NodeReport,
+    NodeView,
+    ReportedNic,
+    parse_time,
+)
 from metaroce_operator.render import config_generation, render_network
 from metaroce_operator.render.common import agent_config, child_name, config_hash
 from metaroce_operator.settings import OperatorSettings
@@ -444,7 +450,7 @@ class Controller:
                 order[other_name] = created_order(other)
         nodes = await self.kube.list_items(NODE, cached=True)
         labels = {v.name: v.labels for v in map(NodeView.from_body, nodes)}
-        return holding_conflicts(name, networks, order, labels, self._netdevs())
+        return holding_conflicts(name, networks, order, labels, self._netdevs(), self._nics())
 
     async def _hold(self, name: str, body: dict[str, Any], held: list[Conflict]) -> None:
         messages = tuple(conflict.held_message() for conflict in held)
@@ -463,6 +469,13 @@ class Controller:
         """network -> node -> the netdevs its agent reports."""
         return {
             network: {node: r.netdevs for node, r in by_node.items() if r.netdevs}
+            for network, by_node in self.store.reports.items()
+        }
+
+    def _nics(self) -> dict[str, dict[str, tuple[ReportedNic, ...]]]:
+        """network -> node -> the NICs its agent reports, with their attributes."""
+        return {
+            network: {node: r.nics for node, r in by_node.items() if r.nics}
             for network, by_node in self.store.reports.items()
         }
 
@@ -694,7 +707,7 @@ class Controller:
                 with contextlib.suppress(InvalidObject):
                     contenders[name] = validate_network(body)  # owns its NICs until gone
         order = {name: created_order(self.store.networks.get(name) or {}) for name in contenders}
-        found = find_conflicts(contenders.values(), labels, self._netdevs())
+        found = find_conflicts(contenders.values(), labels, self._netdevs(), self._nics())
         for name in valid:
             blocking: list[str] = []
             yielded: list[str] = []

@@ -28,7 +28,12 @@ from typing import Any
 
 from metaroce_api import InvalidObject, LabelSelector, MetaRoceNetwork, NicSelector
 from metaroce_api import validate_network as parse_network
-from metaroce_operator.conflicts import globs_intersect, nic_overlap, selector_matches
+from metaroce_operator.conflicts import (
+    globs_intersect,
+    nic_overlap,
+    same_attributes,
+    selector_matches,
+)
 
 NO_RDMA_DRIVERS = frozenset(
     {
@@ -159,7 +164,7 @@ def _conflicts(
         if selectors_disjoint(a, b):
             continue
         both = shared_nodes(a, b, nodes) if nodes is not None else []
-        if not _same_attributes(net.spec.nics, other.spec.nics):
+        if not same_attributes(net.spec.nics, other.spec.nics):
             # e.g. drivers on one side, interfaceNames on the other: only the NICs the
             # agents find can tell; the leader's re-check flags a real conflict.
             where = f" on {len(both)} node(s)" if both else ""
@@ -221,14 +226,6 @@ def _ports(
             f"other spec.agent.metricsPort and spec.agent.probePort in one of the two (e.g. "
             f"{max(theirs) + 1} and {max(theirs) + 2})"
         )
-
-
-_NIC_ATTRIBUTES = ("interface_names", "pci_vendor_ids", "pci_device_ids", "drivers", "rdma_devices")
-
-
-def _same_attributes(a: NicSelector, b: NicSelector) -> bool:
-    """Whether both selectors constrain at least one attribute in common."""
-    return any(getattr(a, f) is not None and getattr(b, f) is not None for f in _NIC_ATTRIBUTES)
 
 
 def _resource_names(
