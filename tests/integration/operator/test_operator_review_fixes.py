@@ -15,7 +15,7 @@ import time
 
 import yaml
 from conftest import OperatorEnv
-from operator_env import LoadGenerator, get_json, network_manifest, wait_for
+from operator_env import LoadGenerator, condition, get_json, network_manifest, wait_for
 from test_operator_nodes import _peers, _tainted
 
 from metaroce_api import constants as c
@@ -185,3 +185,19 @@ def test_foreground_deletion_keeps_the_agents_until_they_reverted(env: OperatorE
     wait_for("its DaemonSet to be collected", lambda: env.daemonset("fg") is None, timeout=60)
     for kind in ("clusterrolebinding", "clusterrole"):
         wait_for(f"its {kind}", lambda kind=kind: get_json(env.cluster, kind, name) is None)
+
+
+def test_operator_refuses_agent_images_not_on_its_allowlist(env: OperatorEnv) -> None:
+    """#11: the operator itself refuses (the webhook may be off, or bypassed by an older
+    object): no DaemonSet with an image it was not given, and the status says why."""
+    env.start_operator()
+    env.apply(
+        network_manifest(
+            "rooted", nodeSelector=POOL_A, agent={"image": "evil.example.com/root:1.0"}
+        )
+    )
+    net = env.wait_condition("rooted", c.CONDITION_READY, "False", reason="AgentImageNotAllowed")
+    message = condition(net, c.CONDITION_READY)["message"]
+    assert "evil.example.com/root:1.0" in message and "--allowed-agent-image" in message
+    time.sleep(3)
+    assert env.daemonset("rooted") is None

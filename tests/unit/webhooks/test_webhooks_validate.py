@@ -312,3 +312,34 @@ def test_conflicting_networks_stay_editable_issue_16_9() -> None:
     assert refused.__class__.__name__ == "Denied"
     assert "spec.attachment.resourceName" in refused.message  # type: ignore[union-attr]
     assert "network 'backend'" not in refused.message  # type: ignore[union-attr]
+
+
+PINNED = "ghcr.io/metaroce/metaroce-agent:0.1.0"
+BY_DIGEST = "registry.example.com/agent@sha256:" + "a" * 64
+
+
+@pytest.mark.parametrize(
+    ("image", "refused"),
+    [
+        (None, False),  # the operator's own (pinned) image
+        (PINNED, False),
+        (BY_DIGEST, False),
+        ("registry.example.com/agent:v2", True),  # the right repository is not enough
+        ("evil.example.com/root:1", True),
+    ],
+)
+def test_agent_images_come_from_the_allowlist_issue_16_11(image: str | None, refused: bool) -> None:
+    """spec.agent.image runs privileged with the host's PID and network namespaces and
+    read-write /dev and /sys: only images the operator was given may run there."""
+    spec: dict[str, Any] = {"nics": {"interfaceNames": ["eth7"]}}
+    if image:
+        spec["agent"] = {"image": image}
+    verdict = validate_network_change(
+        network_obj("new", **spec), EXISTING, NODES, allowed_agent_images=(PINNED, BY_DIGEST)
+    )
+    assert (not verdict.allowed) is refused, verdict.problems
+    if refused:
+        (problem,) = verdict.problems
+        assert problem.field == "spec.agent.image"
+        assert repr(image) in problem.message and PINNED in problem.message
+        assert "--allowed-agent-image" in problem.message and "allowedImages" in problem.message
