@@ -37,6 +37,7 @@ from metaroce_operator.conflicts import (
     holding_conflicts,
     selector_matches,
 )
+from metaroce_operator.images import image_refusal
 from metaroce_operator.informer import Informer
 from metaroce_operator.kube import KINDS, ApiError, Kube, NotLeader
 from metaroce_operator.observed import (
@@ -384,6 +385,10 @@ class Controller:
         except InvalidObject as err:
             self._fail(name, c.REASON_INVALID_SPEC, str(err))
             raise PermanentFailure(str(err)) from None
+        refusal = image_refusal(network, self.settings.render.allowed_agent_images)
+        if refusal:
+            self._fail(name, c.REASON_AGENT_IMAGE_NOT_ALLOWED, refusal)
+            raise PermanentFailure(refusal)
         generation = network.metadata.generation or 0
         held = await self._holding_conflicts(name, network)
         if held:

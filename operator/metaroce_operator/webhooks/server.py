@@ -79,7 +79,9 @@ class AdmissionHandler:
         check_pod_security: bool = True,
         default_pod_security: str = "privileged",
         sync_timeout: float = 2.0,
+        allowed_agent_images: Sequence[str] | None = None,
     ) -> None:
+        self.allowed_agent_images = allowed_agent_images
         self.networks = networks
         self.synced = synced
         self.namespace_labels = namespace_labels
@@ -122,7 +124,13 @@ class AdmissionHandler:
             return Allowed()  # matchConditions skip these already; belt and braces
         self._wait_synced()
         others = [v.network for v in self.networks().values() if v.network is not None]
-        verdict = validate_network_change(obj, others, self.node_labels(), old=old)
+        verdict = validate_network_change(
+            obj,
+            others,
+            self.node_labels(),
+            old=old,
+            allowed_agent_images=self.allowed_agent_images,
+        )
         name = (obj.get("metadata") or {}).get("name", "")
         if not verdict.allowed:
             return Denied(verdict.message(name), code=422, reason="Invalid")
@@ -475,6 +483,9 @@ class AppOptions:
     node_ttl: float = 30.0
     sync_timeout: float = 2.0
     reload_interval: float = 2.0
+    allowed_agent_images: Sequence[str] | None = None
+    """The images networks may name in spec.agent.image (the operator's allowlist, see
+    `images`); None: not checked (a standalone webhook given none)."""
 
 
 class WebhookApp:
@@ -521,6 +532,7 @@ class WebhookApp:
             check_pod_security=options.check_pod_security,
             default_pod_security=options.default_pod_security,
             sync_timeout=options.sync_timeout,
+            allowed_agent_images=options.allowed_agent_images,
         )
         self.server: WebhookServer | None = None
         self._stop = threading.Event()
@@ -683,6 +695,14 @@ def _parser() -> argparse.ArgumentParser:
         help="the cluster's PodSecurity default enforce level, for namespaces without the "
         "label (default privileged, the Kubernetes default)",
     )
+    p.add_argument(
+        "--allowed-agent-image",
+        action="append",
+        default=None,
+        metavar="IMAGE",
+        help="an image networks may name in spec.agent.image (repeatable; the operator's "
+        "--agent-image and --allowed-agent-image); without it, images are not checked",
+    )
     p.add_argument("--namespace-cache-ttl", type=float, default=30.0, metavar="SECONDS")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0 = none)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -730,7 +750,10 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
         check_pod_security=not args.no_pod_security_check,
         default_pod_security=args.pod_security_default,
         namespace_ttl=args.namespace_cache_ttl,
+        allowed_agent_images=tuple(args.allowed_agent_image) if args.allowed_agent_image else None,
     )
+    if args.allowed_agent_image is None:
+        log.warning("no --allowed-agent-image given: spec.agent.image is not checked")
     if args.metrics_port:
         from prometheus_client import start_http_server
 

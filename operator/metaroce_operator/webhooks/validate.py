@@ -34,6 +34,7 @@ from metaroce_operator.conflicts import (
     same_attributes,
     selector_matches,
 )
+from metaroce_operator.images import image_refusal
 
 NO_RDMA_DRIVERS = frozenset(
     {
@@ -340,21 +341,25 @@ def validate_network_change(
     others: Iterable[MetaRoceNetwork],
     nodes: Mapping[str, Mapping[str, str]] | None = None,
     old: Mapping[str, Any] | None = None,
+    *,
+    allowed_agent_images: Sequence[str] | None = None,
 ) -> Verdict:
     """Judge a network create/update against the other networks and the nodes.
 
     `others`: the other networks (one with the same name is skipped); `nodes`: node name ->
     labels, or None when unknown (then NIC overlaps are judged from the selectors alone).
+    `allowed_agent_images`: the images `spec.agent.image` may name (see `images`); None
+    skips that check (a webhook told no allowlist).
     `old`: on UPDATE, the object before: a problem it had already (with the same network,
     in the same field) is a warning, not a refusal. Two networks that came to conflict
     (a race at admission, nodes relabelled since) must stay editable, or neither could
     be fixed step by step; the leader holds the later one meanwhile.
     """
     others = list(others)
-    verdict = _judge(obj, others, nodes)
+    verdict = _judge(obj, others, nodes, allowed_agent_images)
     if old is None or verdict.allowed:
         return verdict
-    before = {p.key for p in _judge(old, others, nodes).problems}
+    before = {p.key for p in _judge(old, others, nodes, allowed_agent_images).problems}
     kept = [p for p in verdict.problems if p.key in before]
     for problem in kept:
         verdict.warnings.append(
@@ -369,6 +374,7 @@ def _judge(
     obj: Mapping[str, Any],
     others: Iterable[MetaRoceNetwork],
     nodes: Mapping[str, Mapping[str, str]] | None,
+    allowed_agent_images: Sequence[str] | None,
 ) -> Verdict:
     verdict = Verdict()
     try:
@@ -381,4 +387,8 @@ def _judge(
     _ports(net, rest, nodes, verdict)
     _resource_names(net, rest, verdict)
     _transport(net, verdict)
+    if allowed_agent_images is not None:
+        refusal = image_refusal(net, allowed_agent_images)
+        if refusal:
+            verdict.problems.append(Problem("spec.agent.image", refusal))
     return verdict
