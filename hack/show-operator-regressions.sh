@@ -24,6 +24,8 @@ files=(
   tests/unit/operator/test_taints.py
   tests/unit/operator/test_conflicts.py
   tests/unit/operator/test_leader.py
+  tests/unit/operator/test_cli.py
+  tests/integration/chart/test_chart.py
   tests/integration/operator/test_operator_review_fixes.py
 )
 unit_tests=(
@@ -39,12 +41,17 @@ unit_tests=(
   "tests/unit/webhooks/test_webhooks_validate.py::test_conflicting_networks_stay_editable_issue_16_9"
   "tests/unit/operator/test_conflicts.py::test_selectors_on_different_attributes_are_decided_from_the_reports_issue_16_3"
   "tests/unit/operator/test_conflicts.py::test_a_reported_nic_that_both_select_is_a_conflict_issue_16_3"
+  "tests/unit/webhooks/test_webhooks_validate.py::test_agent_images_come_from_the_allowlist_issue_16_11"
+  "tests/unit/operator/test_cli.py::test_agent_image_allowlist_holds_the_default_image_and_the_flags_issue_16_11"
 )
 integration_tests=(
   "tests/integration/operator/test_operator_review_fixes.py::test_cleanup_finalizer_waits_for_the_first_nodestate_list"
   "tests/integration/operator/test_operator_review_fixes.py::test_deleting_a_network_removes_its_taints"
   "tests/integration/operator/test_operator_review_fixes.py::test_cleanup_finalizer_is_added_before_any_child"
   "tests/integration/operator/test_operator_review_fixes.py::test_foreground_deletion_keeps_the_agents_until_they_reverted"
+  "tests/integration/operator/test_operator_review_fixes.py::test_operator_refuses_agent_images_not_on_its_allowlist"
+  "tests/integration/chart/test_chart.py::test_default_roles_get_read_access_only_issue_16_11"
+  "tests/integration/chart/test_chart.py::test_agent_image_allowlist_value_issue_16_11"
 )
 # Add the tests of later fixes here as they land (see the issue-16 report).
 extra_file=hack/operator-regressions.txt
