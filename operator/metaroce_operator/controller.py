@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections import defaultdict
 from collections.abc import Coroutine, Mapping
@@ -70,6 +71,7 @@ NETWORK = KINDS[(c.API_VERSION, c.NETWORK_KIND)]
 NODESTATE = KINDS[(c.API_VERSION, c.NODESTATE_KIND)]
 CONFIGMAP = KINDS[("v1", "ConfigMap")]
 CLUSTERROLE = KINDS[("rbac.authorization.k8s.io/v1", "ClusterRole")]
+NAMESPACE = KINDS[("v1", "Namespace")]
 NODE = KINDS[("v1", "Node")]
 OS_LABEL = "kubernetes.io/os"
 
@@ -408,13 +410,19 @@ class Controller:
             await cleanup.set_finalizer(self.kube, name, True, c.FIELD_MANAGER)
         children = render_network(network, self.settings.render, config_generation=config_gen)
         if network.spec.cleanup_on_delete and network.metadata.uid:
-            # The ClusterRole owns the other children (see render.common.anchor_references):
-            # apply it first, then the rest with its uid.
-            role = await self._apply(name, children[:1])
-            anchor = str(role[0]["metadata"]["uid"])
-            children = render_network(
-                network, self.settings.render, config_generation=config_gen, anchor_uid=anchor
+            # The ClusterRole owns the other children and the namespace owns it (see
+            # render.common.anchor_references): apply it first, then the rest with its uid.
+            ns = await self.kube.get_or_none(NAMESPACE, namespace)
+            ns_uid = str(((ns or {}).get("metadata") or {}).get("uid") or "") or None
+            anchored = functools.partial(
+                render_network,
+                network,
+                self.settings.render,
+                config_generation=config_gen,
+                namespace_uid=ns_uid,
             )
+            role = await self._apply(name, anchored()[:1])
+            children = anchored(anchor_uid=str(role[0]["metadata"]["uid"]))
             await self._apply(name, children[1:])
         else:
             await self._apply(name, children)
@@ -768,8 +776,9 @@ class Controller:
         for role in await self.kube.list_items(CLUSTERROLE, label_selector=selector, cached=True):
             meta = role.get("metadata") or {}
             network = (meta.get("labels") or {}).get(c.NETWORK_LABEL, "")
-            if not network or network in live or meta.get("ownerReferences"):
-                continue
+            owners = {ref.get("kind") for ref in meta.get("ownerReferences") or []}
+            if not network or network in live or c.NETWORK_KIND in owners:
+                continue  # a network's own children are the garbage collector's
             created = parse_time(meta.get("creationTimestamp"))
             if created and (now - created).total_seconds() < self.settings.nodestate_grace:
                 continue  # its network may be too new for the list

@@ -88,7 +88,12 @@ def anchor_references(network: MetaRoceNetwork, anchor_uid: str) -> list[dict[st
     not the network's dependents: the ClusterRole (cluster-scoped, so it may own both the
     cluster-scoped and the namespaced children) has no owner, and the operator deletes it
     once the nodes reverted; the garbage collector then takes the rest. No
-    blockOwnerDeletion: that would need update on clusterroles/finalizers."""
+    blockOwnerDeletion: that would need update on clusterroles/finalizers.
+
+    The ClusterRole itself is owned by the agents' namespace (see
+    `namespace_references`), so uninstalling the chart (which deletes the namespace)
+    leaves nothing behind even when a network's finalizer was removed by hand with no
+    operator running."""
     return [
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",
@@ -97,6 +102,13 @@ def anchor_references(network: MetaRoceNetwork, anchor_uid: str) -> list[dict[st
             "uid": anchor_uid,
         }
     ]
+
+
+def namespace_references(namespace: str, namespace_uid: str | None) -> list[dict[str, Any]]:
+    """The agents' namespace as owner of a cleanupOnDelete network's ClusterRole."""
+    if not namespace_uid:
+        return []
+    return [{"apiVersion": "v1", "kind": "Namespace", "name": namespace, "uid": namespace_uid}]
 
 
 def agent_config(network: MetaRoceNetwork, config_generation: int | None = None) -> AgentConfig:
@@ -155,7 +167,8 @@ class RenderContext:
     owner_refs: list[dict[str, Any]]
     """Of every child but the ClusterRole."""
     anchor_owner_refs: list[dict[str, Any]]
-    """Of the ClusterRole: none when it is the anchor (see `anchor_references`)."""
+    """Of the ClusterRole: when it is the anchor (see `anchor_references`), its
+    namespace's, not the network's."""
 
     @classmethod
     def build(
@@ -164,13 +177,14 @@ class RenderContext:
         settings: RenderSettings,
         config_generation: int | None = None,
         anchor_uid: str | None = None,
+        namespace_uid: str | None = None,
     ) -> RenderContext:
         config = agent_config(network, config_generation)
         owners = owner_references(network)
         anchor_owners = owners
         if network.spec.cleanup_on_delete:
             owners = anchor_references(network, anchor_uid) if anchor_uid else []
-            anchor_owners = []
+            anchor_owners = namespace_references(settings.namespace, namespace_uid)
         return cls(
             network=network,
             settings=settings,

@@ -481,12 +481,27 @@ def test_uninstall_leaves_only_the_crds(cluster: LocalCluster, release: Release)
                     '{"metadata":{"finalizers":null}}', check=False)  # fmt: skip
     cluster.kubectl("delete", c.NETWORK_PLURAL, name, "--ignore-not-found", "--timeout=60s")
     cluster.helm("uninstall", release.name, "-n", "default", "--wait", "--timeout=120s")
-    label = f"app.kubernetes.io/instance={release.name}"
-    left = cluster.kubectl(
-        "get", "clusterroles,clusterrolebindings,mutatingwebhookconfigurations,"
-        "validatingwebhookconfigurations", "-l", label, "-o", "name",
-    ).stdout.split()  # fmt: skip
-    assert left == []
+    kinds = (
+        "clusterroles,clusterrolebindings,mutatingwebhookconfigurations,"
+        "validatingwebhookconfigurations"
+    )
+
+    def leftovers() -> list[str]:
+        # The chart's own objects carry the release as their instance; the per-network
+        # children the operator made carry the network there, so they are found by
+        # their manager (selecting by the release alone could never find them).
+        found: list[str] = []
+        for label in (
+            f"app.kubernetes.io/instance={release.name}",
+            f"{c.MANAGED_BY_LABEL}={c.MANAGED_BY},{c.NETWORK_LABEL}={name}",
+        ):
+            out = cluster.kubectl("get", kinds, "-l", label, "-o", "name").stdout.split()
+            found += out
+        return found
+
+    # The agents' namespace goes with the release, and with it (garbage collection)
+    # what the network's agents had outside it.
+    wait_for("nothing but the CRDs to be left", lambda: not leftovers(), timeout=120)
     phase = cluster.kubectl(
         "get", "namespace", release.namespace, "-o", "jsonpath={.status.phase}", check=False
     )

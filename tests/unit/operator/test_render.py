@@ -55,13 +55,17 @@ def test_cleanup_networks_children_are_owned_by_their_clusterrole(
     settings: RenderSettings,
 ) -> None:
     """Not the network's dependents, so foreground deletion of the network cannot take the
-    agents before they reverted; the ClusterRole (the anchor) has no owner at all."""
+    agents before they reverted; the ClusterRole (the anchor) is owned by the namespace."""
     net = network("tidy", cleanupOnDelete=True)
     first = render_network(net, settings)
     assert all("ownerReferences" not in o["metadata"] for o in first)
-    objs = render_network(net, settings, anchor_uid="role-uid")
+    objs = render_network(net, settings, anchor_uid="role-uid", namespace_uid="ns-uid")
     role, *rest = objs
-    assert role["kind"] == "ClusterRole" and "ownerReferences" not in role["metadata"]
+    # The namespace owns the anchor: uninstalling the chart leaves nothing behind.
+    assert role["kind"] == "ClusterRole"
+    assert role["metadata"]["ownerReferences"] == [
+        {"apiVersion": "v1", "kind": "Namespace", "name": "metaroce-system", "uid": "ns-uid"}
+    ]
     for obj in rest:
         assert obj["metadata"]["ownerReferences"] == [
             {
