@@ -171,3 +171,20 @@ def test_a_reported_nic_that_both_select_is_a_conflict_issue_16_3() -> None:
     assert held.other == "old" and held.nodes == ("n1",) and "ens1f0" in held.message()
     elsewhere = {"old": {"n1": [ReportedNic("ens2f0", driver="mlx5_core")]}}
     assert holding_conflicts("new", nets, order, nodes, {}, nics=elsewhere) == []
+
+
+def test_two_networks_advertising_one_resource_conflict_issue_16_10() -> None:
+    """The webhook refuses a second network with the same attachment.resourceName, but
+    two writes can race: the leader must notice, or a pod asking for the resource gets
+    either network's NICs (two device plugins advertise it)."""
+    nodes = {"n1": {"pool": "a"}, "n2": {"pool": "b"}}
+    old = only_nics("old", {"interfaceNames": ["eth1"]})
+    body = minimal_network("new")
+    body["metadata"].update({"generation": 1, "uid": "uid-new"})
+    body["spec"]["nics"] = {"interfaceNames": ["eth2"]}
+    body["spec"]["attachment"] = {"resourceName": old.resource_name}
+    new = validate_network(body)
+    order = {"old": ("2026-01-01T00:00:00Z", "old"), "new": ("2026-01-01T00:00:05Z", "new")}
+    (held,) = holding_conflicts("new", {"old": old, "new": new}, order, nodes, {})
+    assert held.other == "old" and old.resource_name in held.message()
+    assert "resourceName" in held.message()
