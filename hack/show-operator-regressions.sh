@@ -26,6 +26,8 @@ files=(
   tests/unit/operator/test_leader.py
   tests/unit/operator/test_cli.py
   tests/integration/chart/test_chart.py
+  tests/integration/chart/test_agent_policy.py
+  tests/integration/operator/test_leader_lease.py
   tests/integration/operator/test_operator_review_fixes.py
 )
 unit_tests=(
@@ -43,6 +45,7 @@ unit_tests=(
   "tests/unit/operator/test_conflicts.py::test_a_reported_nic_that_both_select_is_a_conflict_issue_16_3"
   "tests/unit/webhooks/test_webhooks_validate.py::test_agent_images_come_from_the_allowlist_issue_16_11"
   "tests/unit/operator/test_cli.py::test_agent_image_allowlist_holds_the_default_image_and_the_flags_issue_16_11"
+  "tests/unit/operator/test_conflicts.py::test_two_networks_advertising_one_resource_conflict_issue_16_10"
 )
 integration_tests=(
   "tests/integration/operator/test_operator_review_fixes.py::test_cleanup_finalizer_waits_for_the_first_nodestate_list"
@@ -52,6 +55,8 @@ integration_tests=(
   "tests/integration/operator/test_operator_review_fixes.py::test_operator_refuses_agent_images_not_on_its_allowlist"
   "tests/integration/chart/test_chart.py::test_default_roles_get_read_access_only_issue_16_11"
   "tests/integration/chart/test_chart.py::test_agent_image_allowlist_value_issue_16_11"
+  "tests/integration/chart/test_agent_policy.py::test_an_agent_writes_only_its_own_node_s_nodestate"
+  "tests/integration/operator/test_leader_lease.py::test_leadership_is_counted_from_when_the_write_was_sent"
 )
 # Add the tests of later fixes here as they land (see the issue-16 report).
 extra_file=hack/operator-regressions.txt

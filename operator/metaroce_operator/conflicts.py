@@ -7,6 +7,7 @@ nodes get relabelled later; so the leader re-checks from what is there now:
   constrain has an overlapping pair: globs that can match one name, equal PCI ids, equal
   drivers) on a node both node selectors match;
 - observed: both networks' agents report the same netdev on the same node;
+- one resource name (`spec.attachment.resourceName`) for two networks, on any nodes;
 - selectors on different attributes (drivers on one side, interfaceNames on the other)
   have no static verdict: a NIC that one network's agents report and that the other's
   selector matches (by the reported attributes) is a conflict; without such a NIC there
@@ -221,9 +222,18 @@ class Conflict:
     nodes: tuple[str, ...]
     detail: str
     observed: bool
+    resource: str = ""
+    """Set when the two advertise one resource name (not a NIC overlap)."""
 
     def message(self) -> str:
         shown = ", ".join(self.nodes[:5]) + (" ..." if len(self.nodes) > 5 else "")
+        if self.resource:
+            return (
+                f"network {self.other!r} advertises the same resource {self.resource!r} "
+                f"(spec.attachment.resourceName), on {len(self.nodes)} node(s) ({shown}): a "
+                "pod asking for it could get either network's NICs. Set another "
+                "spec.attachment.resourceName in one of the two"
+            )
         if self.observed:
             what = f"network {self.other!r} also configures NICs of this network"
         else:
@@ -270,11 +280,17 @@ def find_conflicts(
     for i, a in enumerate(nets):
         for b in nets[i + 1 :]:
             conflict = _pair(a, b, members, netdevs, nics or {})
-            if conflict is None:
-                continue
-            nodes, detail, observed = conflict
-            out[a.name].append(Conflict(a.name, b.name, nodes, detail, observed))
-            out[b.name].append(Conflict(b.name, a.name, nodes, detail, observed))
+            if conflict is not None:
+                nodes, detail, observed = conflict
+                out[a.name].append(Conflict(a.name, b.name, nodes, detail, observed))
+                out[b.name].append(Conflict(b.name, a.name, nodes, detail, observed))
+            elif a.resource_name == b.resource_name:
+                # The webhook refuses this, but two writes can race; on any nodes (a pod
+                # asking for the resource lands on either network's).
+                nodes = tuple(sorted(members.get(a.name, set()) | members.get(b.name, set())))
+                resource = a.resource_name
+                out[a.name].append(Conflict(a.name, b.name, nodes, "", False, resource))
+                out[b.name].append(Conflict(b.name, a.name, nodes, "", False, resource))
     return out
 
 
