@@ -678,7 +678,10 @@ class Controller:
             b["metadata"]["name"] for b in await self.kube.list_items(NETWORK, cached=True)
         }
         await self._collect_garbage(live_networks)
-        await self._collect_orphaned_children(live_networks | set(self.store.networks))
+        # Known from the list or from a watch event: a network created a moment ago may be
+        # missing from the (watch-cache) list; its children and fresh taints are no orphans.
+        known = live_networks | set(self.store.networks)
+        await self._collect_orphaned_children(known)
         valid: dict[str, MetaRoceNetwork] = {}
         for name, body in self.store.networks.items():
             if cleanup.deleting(body):
@@ -697,11 +700,9 @@ class Controller:
                 self.store.eligible[name] = eligible
                 self.batch.mark(name)
         self._check_conflicts(valid, labels)
-        # Known from the list or from a watch event: a network created a moment ago may be
-        # missing from the (watch-cache) list, and its fresh taint is not an orphan.
-        await self._remove_orphaned_taints(live_networks | set(self.store.networks))
+        await self._remove_orphaned_taints(known)
         for name, network in valid.items():
-            await self._taints(name, network, live_networks)
+            await self._taints(name, network, known)
 
     async def _remove_orphaned_taints(self, live_networks: set[str]) -> None:
         """Taints of networks that are gone (the network's own planning stops with it)."""
