@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 import yaml
 from conftest import OperatorEnv
@@ -201,3 +202,37 @@ def test_operator_refuses_agent_images_not_on_its_allowlist(env: OperatorEnv) ->
     assert "evil.example.com/root:1.0" in message and "--allowed-agent-image" in message
     time.sleep(3)
     assert env.daemonset("rooted") is None
+
+
+def test_edited_children_are_restored_without_a_rollout_loop(env: OperatorEnv) -> None:
+    """#8: drift repair covered deletion and config-hash edits only; an edited image or
+    agent ClusterRole stayed wrong until a restart."""
+    env.start_operator()
+    env.loadgen("drifty")
+    env.apply(network_manifest("drifty", nodeSelector=POOL_A))
+    env.wait_condition("drifty", c.CONDITION_READY, "True")
+    name = child_name("drifty")
+
+    def image() -> str:
+        return str(
+            (env.daemonset("drifty") or {})["spec"]["template"]["spec"]["containers"][0]["image"]
+        )
+
+    original = image()
+    env.cluster.kubectl(
+        "set", "image", f"daemonset/{name}", "agent=evil.example.com/root:1", "-n", env.namespace
+    )
+    wait_for("the agent image to be restored", lambda: image() == original, timeout=30)
+    rule = {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}
+    env.cluster.kubectl(
+        "patch", "clusterrole", name, "--type=json",
+        "-p", json.dumps([{"op": "add", "path": "/rules/-", "value": rule}]),
+    )  # fmt: skip
+
+    def rules() -> list[dict[str, Any]]:
+        return list((get_json(env.cluster, "clusterrole", name) or {}).get("rules") or [])
+
+    wait_for("the agents' rules to be restored", lambda: rule not in rules(), timeout=30)
+    generation = (env.daemonset("drifty") or {})["metadata"]["generation"]
+    time.sleep(6)  # a loop would show as a growing generation
+    assert (env.daemonset("drifty") or {})["metadata"]["generation"] == generation
