@@ -38,6 +38,7 @@ from metaroce_operator.conflicts import (
     holding_conflicts,
     selector_matches,
 )
+from metaroce_operator.drift import daemonset_drift, rbac_drift
 from metaroce_operator.images import image_refusal
 from metaroce_operator.informer import Informer
 from metaroce_operator.kube import KINDS, ApiError, Kube, NotLeader
@@ -74,6 +75,8 @@ CLUSTERROLE = KINDS[("rbac.authorization.k8s.io/v1", "ClusterRole")]
 NAMESPACE = KINDS[("v1", "Namespace")]
 NODE = KINDS[("v1", "Node")]
 OS_LABEL = "kubernetes.io/os"
+DRIFT_CHECKED = ("DaemonSet", "ClusterRole", "ClusterRoleBinding")
+"""Children whose owned fields are compared with each watch event (see `drift`)."""
 
 
 def _kill_point(kind: str) -> None:
@@ -120,6 +123,8 @@ class Store:
         """Networks whose rollout waits for a NIC conflict with an older network to go."""
         self.taint_notes: dict[str, str] = {}
         self.unhealthy: dict[str, frozenset[str]] = {}
+        self.rendered: dict[str, dict[str, dict[str, Any]]] = {}
+        """network -> kind -> the child last applied (what drift is judged against)."""
 
     def set_network(self, body: dict[str, Any]) -> bool:
         """Keep the newest body; an event older than our own write's response is ignored
@@ -143,6 +148,7 @@ class Store:
             self.held,
             self.taint_notes,
             self.unhealthy,
+            self.rendered,
         ):
             table.pop(name, None)
 
@@ -310,8 +316,15 @@ class Controller:
             view = DaemonSetView.from_body(body, c.CONFIG_HASH_ANNOTATION)
             self.store.daemonsets[network] = view
             applied = self.store.applied.get(network)
+            rendered = self.store.rendered.get(network, {}).get("DaemonSet")
             if applied is not None and view.template_hash != applied.config_hash:
                 self._reconcile_later(network, "its DaemonSet's config hash was changed")
+            elif applied is not None and rendered is not None:
+                edited = daemonset_drift(rendered, body)
+                if edited:
+                    self._reconcile_later(
+                        network, f"its DaemonSet was edited ({', '.join(edited)})"
+                    )
         self.batch.mark(network)
 
     def _child_event(self, kind: str, event_type: str | None, body: dict[str, Any]) -> None:
@@ -329,6 +342,11 @@ class Controller:
             digest = (meta.get("annotations") or {}).get(c.CONFIG_HASH_ANNOTATION)
             if applied is not None and digest != applied.config_hash:
                 self._reconcile_later(network, "its ConfigMap was changed")
+        elif kind in ("ClusterRole", "ClusterRoleBinding"):
+            rendered = self.store.rendered.get(network, {}).get(kind)
+            edited = rbac_drift(rendered, body) if rendered is not None else []
+            if edited:
+                self._reconcile_later(network, f"its {kind} was edited ({', '.join(edited)})")
 
     def _reconcile_later(self, name: str, why: str) -> None:
         body = self.store.networks.get(name)
@@ -428,6 +446,9 @@ class Controller:
             await self._apply(name, children)
         if has and not wants:
             await cleanup.set_finalizer(self.kube, name, False, c.FIELD_MANAGER)
+        self.store.rendered[name] = {
+            str(o["kind"]): o for o in children if o["kind"] in DRIFT_CHECKED
+        }
         self.store.applied[name] = Applied(generation, config_gen, digest)
         self.store.errors.pop(name, None)
         log.info(
