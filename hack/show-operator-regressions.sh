@@ -53,6 +53,7 @@ integration_tests=(
   "tests/integration/operator/test_operator_review_fixes.py::test_cleanup_finalizer_is_added_before_any_child"
   "tests/integration/operator/test_operator_review_fixes.py::test_foreground_deletion_keeps_the_agents_until_they_reverted"
   "tests/integration/operator/test_operator_review_fixes.py::test_operator_refuses_agent_images_not_on_its_allowlist"
+  "tests/integration/operator/test_operator_review_fixes.py::test_edited_children_are_restored_without_a_rollout_loop"
   "tests/integration/chart/test_chart.py::test_default_roles_get_read_access_only_issue_16_11"
   "tests/integration/chart/test_chart.py::test_agent_image_allowlist_value_issue_16_11"
   "tests/integration/chart/test_agent_policy.py::test_an_agent_writes_only_its_own_node_s_nodestate"
