@@ -25,6 +25,7 @@ files=(
   tests/unit/operator/test_conflicts.py
   tests/unit/operator/test_leader.py
   tests/unit/operator/test_cli.py
+  tests/unit/operator/test_status.py
   tests/integration/chart/test_chart.py
   tests/integration/chart/test_agent_policy.py
   tests/integration/operator/test_leader_lease.py
@@ -46,6 +47,7 @@ unit_tests=(
   "tests/unit/webhooks/test_webhooks_validate.py::test_agent_images_come_from_the_allowlist_issue_16_11"
   "tests/unit/operator/test_cli.py::test_agent_image_allowlist_holds_the_default_image_and_the_flags_issue_16_11"
   "tests/unit/operator/test_conflicts.py::test_two_networks_advertising_one_resource_conflict_issue_16_10"
+  "tests/unit/operator/test_status.py::test_ready_threshold_from_the_spec_issue_16_10"
 )
 integration_tests=(
   "tests/integration/operator/test_operator_review_fixes.py::test_cleanup_finalizer_waits_for_the_first_nodestate_list"
