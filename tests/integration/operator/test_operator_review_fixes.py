@@ -164,6 +164,32 @@ def test_cleanup_finalizer_is_added_before_any_child(env: OperatorEnv) -> None:
     env.wait_condition("first", c.CONDITION_PROGRESSING, "True")
 
 
+def _wait_until_the_garbage_collector_knows_networks(env: OperatorEnv) -> None:
+    """The garbage collector discovers a new CRD's resources only at its next resync (up
+    to 30 s): until then it ignores their dependents, and a foreground deletion would
+    prove nothing. A canary network's child being collected shows that it knows them."""
+    env.apply(
+        network_manifest(
+            "gc-canary",
+            nodeSelector={"matchLabels": {"harness.metaroce.io/pool": "nowhere"}},
+            nics={"interfaceNames": ["gc0"]},
+        )
+    )
+    name = child_name("gc-canary")
+    wait_for(
+        "the canary's ConfigMap",
+        lambda: get_json(env.cluster, "configmap", name, "-n", env.namespace) is not None,
+        timeout=60,
+    )
+    env.cluster.kubectl("delete", c.NETWORK_PLURAL, "gc-canary", "--wait=false")
+    env.networks.discard("gc-canary")
+    wait_for(
+        "the garbage collector to collect a deleted network's children",
+        lambda: get_json(env.cluster, "configmap", name, "-n", env.namespace) is None,
+        timeout=90,
+    )
+
+
 def test_foreground_deletion_keeps_the_agents_until_they_reverted(env: OperatorEnv) -> None:
     """#7: `kubectl delete --cascade=foreground` (Argo CD prunes that way) makes the
     garbage collector delete the dependents first; the agents must stay until every node
@@ -171,14 +197,29 @@ def test_foreground_deletion_keeps_the_agents_until_they_reverted(env: OperatorE
     env.start_operator("--cleanup-timeout=300s")
     gen = env.loadgen("fg")
     env.apply(network_manifest("fg", nodeSelector=POOL_A, cleanupOnDelete=True))
+    _wait_until_the_garbage_collector_knows_networks(env)
     env.wait_condition("fg", c.CONDITION_READY, "True")
+    net = env.network("fg") or {}
     env.cluster.kubectl("delete", c.NETWORK_PLURAL, "fg", "--cascade=foreground", "--wait=false")
-    time.sleep(6)  # the garbage collector acts within a second or two
-    assert env.network("fg") is not None
-    assert env.daemonset("fg") is not None, "the agents were removed before they reverted"
     name = child_name("fg")
-    assert get_json(env.cluster, "clusterrolebinding", name) is not None
-    assert get_json(env.cluster, "configmap", name, "-n", env.namespace) is not None
+    children = [
+        ("daemonset", name, "-n", env.namespace),
+        ("configmap", name, "-n", env.namespace),
+        ("serviceaccount", name, "-n", env.namespace),
+        ("clusterrolebinding", name),
+        ("clusterrole", name),
+    ]
+    deadline = time.monotonic() + 10  # the garbage collector acts within a second or two
+    while time.monotonic() < deadline:
+        assert (env.network("fg") or {})["metadata"].get("deletionTimestamp")
+        for child in children:
+            body = get_json(env.cluster, *child)
+            assert body is not None, f"{child[0]} removed before the nodes reverted"
+            assert not body["metadata"].get("deletionTimestamp"), f"{child[0]} is being deleted"
+        pods = env.agent_pods("fg")
+        assert pods and not any(p["metadata"].get("deletionTimestamp") for p in pods)
+        time.sleep(1)
+    assert (env.network("fg") or {}).get("metadata", {}).get("uid") == net["metadata"]["uid"]
 
     gen.revert(["kwok-a1", "kwok-a2"])
     wait_for("the network to be gone", lambda: env.network("fg") is None, timeout=60)
