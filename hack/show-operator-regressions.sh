@@ -101,6 +101,6 @@ for t in "${tests[@]}"; do
 done
 
 echo "== on this checkout ($(git rev-parse --short HEAD)):"
-"$py" -m pytest -q -p no:cacheprovider "${tests[@]}" 2>&1 | tail -3
+"$py" -m pytest -q -p no:cacheprovider "${tests[@]}" 2>&1 | grep -E "^(FAILED|ERROR|E  )|passed|failed" | tail -25
 rc=${PIPESTATUS[0]}
 ((unexpected == 0 && rc == 0))
