@@ -2,8 +2,10 @@
 
 An agent's credentials, as the kubelet makes them: a TokenRequest bound to the agent's
 pod on one (kwok) node, so the token names that node. With that token the agent may
-write its own node's NodeState of its own network, and nothing else: not another node's,
-not another network's, not its own moved to another node. Fails on b6733c0 (no policy).
+write its own node's NodeState of its own network, and nothing else: not create
+another node's or another network's, not overwrite or delete a peer's report (moving
+its own to another node is refused by the CRD: spec is immutable). Fails on b6733c0
+(no policy).
 """
 
 from __future__ import annotations
@@ -133,14 +135,26 @@ def test_an_agent_writes_only_its_own_node_s_nodestate(
         own = minimal_nodestate(network, "kwok-a1")
         proc = write(own)
         assert proc.returncode == 0, proc.stderr
-        moved = json.loads(
-            cluster.kubectl("get", c.NODESTATE_PLURAL, own["metadata"]["name"], "-o", "json").stdout
-        )
-        moved["spec"]["node"] = "kwok-a2"
-        proc = write(moved, "replace")
+        report = json.dumps({"status": {"phase": "Reverted", "reverted": True}})
+        proc = cluster.kubectl(
+            "patch", c.NODESTATE_PLURAL, own["metadata"]["name"], "--type=merge", "-p", report,
+            kubeconfig=as_agent, check=False,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        # A peer's report (written by its own agent; here by an admin, who is not matched):
+        # overwriting it to say "reverted" or "healthy", or deleting it, is refused.
+        peer = minimal_nodestate(network, "kwok-a2")
+        cluster.kubectl("apply", "-f", "-", input=json.dumps(peer))
+        proc = cluster.kubectl(
+            "patch", c.NODESTATE_PLURAL, peer["metadata"]["name"], "--type=merge", "-p", report,
+            kubeconfig=as_agent, check=False,
+        )  # fmt: skip
         assert proc.returncode != 0 and "its own node" in proc.stderr, proc.stderr
-        # An admin (not an agent) is not matched.
-        cluster.kubectl("apply", "-f", "-", input=json.dumps(minimal_nodestate(network, "kwok-a2")))
+        proc = cluster.kubectl(
+            "delete", c.NODESTATE_PLURAL, peer["metadata"]["name"],
+            kubeconfig=as_agent, check=False,
+        )  # fmt: skip
+        assert proc.returncode != 0 and "its own node" in proc.stderr, proc.stderr
     finally:
         for body in (minimal_nodestate(network, "kwok-a1"), minimal_nodestate(network, "kwok-a2")):
             cluster.kubectl(
