@@ -85,6 +85,7 @@ REASON_NODES_UNHEALTHY: Final = "NodesUnhealthy"
 REASON_INVALID_SPEC: Final = "InvalidSpec"
 REASON_NIC_CONFLICT: Final = "NicConflict"
 REASON_RENDER_FAILED: Final = "RenderFailed"
+REASON_AGENT_IMAGE_NOT_ALLOWED: Final = "AgentImageNotAllowed"
 REASON_CLEANING_UP: Final = "CleaningUp"
 REASON_AS_EXPECTED: Final = "AsExpected"
 

@@ -102,6 +102,12 @@ def _convert(node: Mapping[str, Any], defs: Mapping[str, Any], path: str) -> Sch
         del out["additionalProperties"]  # unknown fields are pruned or refused anyway
     if "const" in out:
         out["enum"] = [out.pop("const")]
+    for bound, exclusive in (("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum")):
+        # JSON Schema's numeric form (pydantic's gt/lt) is OpenAPI v3.0's bound plus a flag.
+        value = out.get(exclusive)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            out[bound] = value
+            out[exclusive] = True
     unknown = sorted(set(out) - _ALLOWED)
     if unknown:
         raise ConversionError(f"{where}: keyword(s) {unknown} have no structural equivalent")

@@ -90,6 +90,7 @@ def full_network(name: str = "example") -> dict[str, Any]:
                 },
                 "action": "taint",
                 "maxTaintedFraction": 0.05,
+                "readyFraction": 0.9,
             },
             "agent": {
                 "image": "registry.example.com/metaroce/agent:0.1.0",

@@ -448,6 +448,9 @@ class HealthSpec(ApiModel):
     max_tainted_fraction: Fraction = 0.1
     """At most this fraction of the network's nodes is tainted at once, so one bad peer
     cannot taint everyone."""
+    ready_fraction: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    """Ready is True when at least this fraction of the desired nodes is configured and
+    healthy (rounded up); 1.0: every node. Failing nodes are named in Degraded anyway."""
 
     cel_rules = (
         Rule(

@@ -109,6 +109,7 @@ class Process:
             validating_configs=(w.validating_config,) if w.validating_config else (),
             address=self.settings.bind_address,
             port=w.port,
+            allowed_agent_images=self.settings.render.allowed_agent_images,
         )
         app = WebhookApp(options, load_api_client(self.settings.kubeconfig))
         self.webhook = app

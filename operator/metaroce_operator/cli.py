@@ -45,6 +45,7 @@ def chart_arguments(
     fullname: str = "metaroce",
     webhook_port: int = WEBHOOK_PORT,
     cert_manager: bool = False,
+    allowed_agent_images: Sequence[str] = (),
 ) -> list[str]:
     """The arguments the Helm chart passes to `metaroce operator`.
 
@@ -69,6 +70,7 @@ def chart_arguments(
     ]
     if cert_manager:
         args.append("--webhook-cert-manager")
+    args += [f"--allowed-agent-image={image}" for image in allowed_agent_images]
     return args
 
 
@@ -106,6 +108,15 @@ def _operator_parser() -> argparse.ArgumentParser:
         default=_env("METAROCE_AGENT_IMAGE", default=DEFAULT_AGENT_IMAGE),
         help="agent image when a network does not set spec.agent.image "
         f"(env METAROCE_AGENT_IMAGE; default {DEFAULT_AGENT_IMAGE})",
+    )
+    p.add_argument(
+        "--allowed-agent-image",
+        action="append",
+        default=[],
+        metavar="IMAGE",
+        help="an image a network may set in spec.agent.image, besides --agent-image "
+        "(repeatable; exact references, by digest where you can): the agents run "
+        "privileged on the nodes, so no other image is run (the chart's agent.allowedImages)",
     )
     p.add_argument(
         "--identity", default=None, help="name in the lease (default: POD_NAME, else host-pid)"
@@ -179,7 +190,11 @@ def _operator_parser() -> argparse.ArgumentParser:
 def settings_from_args(argv: Sequence[str]) -> OperatorSettings:
     """Parse and validate; raises SettingsError / SystemExit (argparse) on bad input."""
     args = _operator_parser().parse_args(list(argv))
-    render = RenderSettings(namespace=args.namespace, agent_image=args.agent_image)
+    render = RenderSettings(
+        namespace=args.namespace,
+        agent_image=args.agent_image,
+        extra_agent_images=tuple(args.allowed_agent_image),
+    )
     return OperatorSettings(
         render=render,
         identity=args.identity or default_identity(),

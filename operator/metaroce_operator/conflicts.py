@@ -6,7 +6,12 @@ nodes get relabelled later; so the leader re-checks from what is there now:
 - static: the two NIC selectors can match the same NIC (every attribute both of them
   constrain has an overlapping pair: globs that can match one name, equal PCI ids, equal
   drivers) on a node both node selectors match;
-- observed: both networks' agents report the same netdev on the same node.
+- observed: both networks' agents report the same netdev on the same node;
+- one resource name (`spec.attachment.resourceName`) for two networks, on any nodes;
+- selectors on different attributes (drivers on one side, interfaceNames on the other)
+  have no static verdict: a NIC that one network's agents report and that the other's
+  selector matches (by the reported attributes) is a conflict; without such a NIC there
+  is none, and a held network is released.
 
 The network created later (creationTimestamp, then name) yields: the operator does not
 create or update its agent DaemonSet while such a conflict stands (`holding_conflicts`),
@@ -15,11 +20,16 @@ and resumes when it is gone. The older network keeps its NICs and its Ready cond
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import fnmatch
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 
 from metaroce_api import LabelSelector, MetaRoceNetwork, NicSelector
+from metaroce_operator.observed import ReportedNic
+
+ReportedNics = Mapping[str, Mapping[str, Sequence[ReportedNic]]]
+"""network -> node -> the NICs its agent reports."""
 
 # --- glob intersection -------------------------------------------------------------------
 
@@ -148,6 +158,38 @@ def nic_overlap(a: NicSelector, b: NicSelector) -> str | None:
     return "; ".join(reasons) or "the selectors constrain different attributes"
 
 
+_NIC_ATTRIBUTES = ("interface_names", "pci_vendor_ids", "pci_device_ids", "drivers", "rdma_devices")
+
+
+def same_attributes(a: NicSelector, b: NicSelector) -> bool:
+    """Whether both selectors constrain at least one attribute in common (only then can
+    `nic_overlap` rule an overlap out)."""
+    return any(getattr(a, f) is not None and getattr(b, f) is not None for f in _NIC_ATTRIBUTES)
+
+
+def nic_selected(selector: NicSelector, nic: ReportedNic) -> bool:
+    """Whether `selector` selects this reported NIC (AND across the lists that are set;
+    an attribute the agent did not report cannot match)."""
+
+    def globs(patterns: list[str] | None, value: str | None) -> bool:
+        return patterns is None or (
+            value is not None and any(fnmatch.fnmatchcase(value, g) for g in patterns)
+        )
+
+    def ids(wanted: list[str] | None, value: str | None) -> bool:
+        return wanted is None or (
+            value is not None and _norm_id(value) in {_norm_id(w) for w in wanted}
+        )
+
+    return (
+        globs(selector.interface_names, nic.netdev)
+        and globs(selector.rdma_devices, nic.rdma_device)
+        and ids(selector.pci_vendor_ids, nic.vendor_id)
+        and ids(selector.pci_device_ids, nic.device_id)
+        and (selector.drivers is None or nic.driver in selector.drivers)
+    )
+
+
 # --- label selectors ---------------------------------------------------------------------
 
 
@@ -180,9 +222,18 @@ class Conflict:
     nodes: tuple[str, ...]
     detail: str
     observed: bool
+    resource: str = ""
+    """Set when the two advertise one resource name (not a NIC overlap)."""
 
     def message(self) -> str:
         shown = ", ".join(self.nodes[:5]) + (" ..." if len(self.nodes) > 5 else "")
+        if self.resource:
+            return (
+                f"network {self.other!r} advertises the same resource {self.resource!r} "
+                f"(spec.attachment.resourceName), on {len(self.nodes)} node(s) ({shown}): a "
+                "pod asking for it could get either network's NICs. Set another "
+                "spec.attachment.resourceName in one of the two"
+            )
         if self.observed:
             what = f"network {self.other!r} also configures NICs of this network"
         else:
@@ -209,10 +260,12 @@ def find_conflicts(
     networks: Iterable[MetaRoceNetwork],
     node_labels: Mapping[str, Mapping[str, str]],
     netdevs: Mapping[str, Mapping[str, Iterable[str]]],
+    nics: ReportedNics | None = None,
 ) -> dict[str, list[Conflict]]:
     """Conflicts of each network (both sides of a pair report it).
 
-    `node_labels`: node -> labels; `netdevs`: network -> node -> netdevs its agent reports.
+    `node_labels`: node -> labels; `netdevs`: network -> node -> netdevs its agent reports;
+    `nics`: network -> node -> the NICs its agent reports, with their attributes.
     """
     nets = sorted(networks, key=lambda n: n.name)
     members = {
@@ -226,12 +279,18 @@ def find_conflicts(
     out: dict[str, list[Conflict]] = {n.name: [] for n in nets}
     for i, a in enumerate(nets):
         for b in nets[i + 1 :]:
-            conflict = _pair(a, b, members, netdevs)
-            if conflict is None:
-                continue
-            nodes, detail, observed = conflict
-            out[a.name].append(Conflict(a.name, b.name, nodes, detail, observed))
-            out[b.name].append(Conflict(b.name, a.name, nodes, detail, observed))
+            conflict = _pair(a, b, members, netdevs, nics or {})
+            if conflict is not None:
+                nodes, detail, observed = conflict
+                out[a.name].append(Conflict(a.name, b.name, nodes, detail, observed))
+                out[b.name].append(Conflict(b.name, a.name, nodes, detail, observed))
+            elif a.resource_name == b.resource_name:
+                # The webhook refuses this, but two writes can race; on any nodes (a pod
+                # asking for the resource lands on either network's).
+                nodes = tuple(sorted(members.get(a.name, set()) | members.get(b.name, set())))
+                resource = a.resource_name
+                out[a.name].append(Conflict(a.name, b.name, nodes, "", False, resource))
+                out[b.name].append(Conflict(b.name, a.name, nodes, "", False, resource))
     return out
 
 
@@ -240,6 +299,7 @@ def _pair(
     b: MetaRoceNetwork,
     members: Mapping[str, set[str]],
     netdevs: Mapping[str, Mapping[str, Iterable[str]]],
+    nics: ReportedNics,
 ) -> tuple[tuple[str, ...], str, bool] | None:
     da, db = netdevs.get(a.name, {}), netdevs.get(b.name, {})
     shared: dict[str, list[str]] = {}
@@ -250,13 +310,36 @@ def _pair(
     if shared:
         first = next(iter(shared))
         return tuple(shared), f"e.g. {', '.join(shared[first])} on {first}", True
-    overlap = nic_overlap(a.spec.nics, b.spec.nics)
-    if overlap is None:
-        return None
     nodes = tuple(sorted(members.get(a.name, set()) & members.get(b.name, set())))
     if not nodes:
         return None
+    if not same_attributes(a.spec.nics, b.spec.nics):
+        return _reported_pair(a, b, nodes, nics)
+    overlap = nic_overlap(a.spec.nics, b.spec.nics)
+    if overlap is None:
+        return None
     return nodes, overlap, False
+
+
+def _reported_pair(
+    a: MetaRoceNetwork, b: MetaRoceNetwork, nodes: Sequence[str], nics: ReportedNics
+) -> tuple[tuple[str, ...], str, bool] | None:
+    """Selectors on different attributes: a NIC one network's agent reports on a shared
+    node that the other network's selector matches."""
+    found: dict[str, list[str]] = {}
+    for node in nodes:
+        for mine, theirs in ((a, b), (b, a)):
+            for nic in nics.get(mine.name, {}).get(node, ()):
+                if nic_selected(theirs.spec.nics, nic):
+                    found.setdefault(node, []).append(f"{nic.netdev} ({mine.name}'s)")
+    if not found:
+        return None
+    first = next(iter(found))
+    detail = (
+        f"e.g. {', '.join(sorted(set(found[first])))} on {first} is selected by both "
+        "networks' spec.nics"
+    )
+    return tuple(found), detail, True
 
 
 def created_order(body: Mapping[str, object]) -> tuple[str, str]:
@@ -273,12 +356,13 @@ def holding_conflicts(
     order: Mapping[str, tuple[str, str]],
     node_labels: Mapping[str, Mapping[str, str]],
     netdevs: Mapping[str, Mapping[str, Iterable[str]]],
+    nics: ReportedNics | None = None,
 ) -> list[Conflict]:
     """The conflicts of network `name` with networks created before it (which win).
 
     `networks` includes `name`; `order` is `created_order` of each. A network without a
     creationTimestamp yet ("~") sorts last, so it never holds an existing one.
     """
-    found = find_conflicts(networks.values(), node_labels, netdevs).get(name, [])
+    found = find_conflicts(networks.values(), node_labels, netdevs, nics).get(name, [])
     mine = order.get(name, ("~", name))
     return [conflict for conflict in found if order.get(conflict.other, ("~", "")) < mine]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections import defaultdict
 from collections.abc import Coroutine, Mapping
@@ -37,9 +38,17 @@ from metaroce_operator.conflicts import (
     holding_conflicts,
     selector_matches,
 )
+from metaroce_operator.drift import daemonset_drift, rbac_drift
+from metaroce_operator.images import image_refusal
 from metaroce_operator.informer import Informer
 from metaroce_operator.kube import KINDS, ApiError, Kube, NotLeader
-from metaroce_operator.observed import DaemonSetView, NodeReport, NodeView
+from metaroce_operator.observed import (
+    DaemonSetView,
+    NodeReport,
+    NodeView,
+    ReportedNic,
+    parse_time,
+)
 from metaroce_operator.render import config_generation, render_network
 from metaroce_operator.render.common import agent_config, child_name, config_hash
 from metaroce_operator.settings import OperatorSettings
@@ -62,8 +71,12 @@ log = logging.getLogger("metaroce.operator.controller")
 NETWORK = KINDS[(c.API_VERSION, c.NETWORK_KIND)]
 NODESTATE = KINDS[(c.API_VERSION, c.NODESTATE_KIND)]
 CONFIGMAP = KINDS[("v1", "ConfigMap")]
+CLUSTERROLE = KINDS[("rbac.authorization.k8s.io/v1", "ClusterRole")]
+NAMESPACE = KINDS[("v1", "Namespace")]
 NODE = KINDS[("v1", "Node")]
 OS_LABEL = "kubernetes.io/os"
+DRIFT_CHECKED = ("DaemonSet", "ClusterRole", "ClusterRoleBinding")
+"""Children whose owned fields are compared with each watch event (see `drift`)."""
 
 
 def _kill_point(kind: str) -> None:
@@ -110,6 +123,8 @@ class Store:
         """Networks whose rollout waits for a NIC conflict with an older network to go."""
         self.taint_notes: dict[str, str] = {}
         self.unhealthy: dict[str, frozenset[str]] = {}
+        self.rendered: dict[str, dict[str, dict[str, Any]]] = {}
+        """network -> kind -> the child last applied (what drift is judged against)."""
 
     def set_network(self, body: dict[str, Any]) -> bool:
         """Keep the newest body; an event older than our own write's response is ignored
@@ -133,6 +148,7 @@ class Store:
             self.held,
             self.taint_notes,
             self.unhealthy,
+            self.rendered,
         ):
             table.pop(name, None)
 
@@ -147,18 +163,48 @@ class Controller:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._kick = asyncio.Event()
         self._timers: dict[str, asyncio.TimerHandle] = {}
+        self.nodestates = Informer(
+            self.kube, NODESTATE, lambda t, body: self.on_event(c.NODESTATE_KIND, t, body)
+        )
 
     # -- lifecycle ----------------------------------------------------------------------
 
+    @property
+    def synced(self) -> bool:
+        """Whether the NodeState informer's first list is complete. Until then the store
+        knows no report, and "no report" must not be read as "nothing configured" or
+        "every node reverted": status, cleanup, conflicts, taints and the garbage
+        collection of NodeStates all wait for it."""
+        return self.nodestates.synced.is_set()
+
     async def run(self) -> None:
-        """The NodeState watch, the status loop and the node pass, until cancelled."""
-        nodestates = Informer(
-            self.kube, NODESTATE, lambda t, body: self.on_event(c.NODESTATE_KIND, t, body)
-        )
+        """The NodeState watch, then (once its first list is in) the status loop and the
+        node pass, until cancelled."""
         async with asyncio.TaskGroup() as group:
-            group.create_task(nodestates.run(), name="NodeState watch")
-            group.create_task(self.batch.run(), name="status batching")
-            group.create_task(self._node_pass_loop(), name="node pass")
+            group.create_task(self.nodestates.run(), name="NodeState watch")
+            group.create_task(self._after_sync(self.batch.run()), name="status batching")
+            group.create_task(self._after_sync(self._node_pass_loop()), name="node pass")
+
+    async def _after_sync(self, work: Coroutine[Any, Any, None]) -> None:
+        try:
+            await self._wait_synced()
+        except BaseException:
+            work.close()
+            raise
+        await work
+
+    async def _wait_synced(self) -> None:
+        waited = 0.0
+        while not self.synced:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.nodestates.synced.wait(), 30.0)
+            if not self.synced:
+                waited += 30.0
+                log.warning(
+                    "the NodeStates are not listed yet (%.0f s): status, cleanup, taints and "
+                    "NIC conflicts wait for them (see the watch errors above)",
+                    waited,
+                )
 
     def close(self) -> None:
         for task in list(self._tasks):
@@ -270,8 +316,15 @@ class Controller:
             view = DaemonSetView.from_body(body, c.CONFIG_HASH_ANNOTATION)
             self.store.daemonsets[network] = view
             applied = self.store.applied.get(network)
+            rendered = self.store.rendered.get(network, {}).get("DaemonSet")
             if applied is not None and view.template_hash != applied.config_hash:
                 self._reconcile_later(network, "its DaemonSet's config hash was changed")
+            elif applied is not None and rendered is not None:
+                edited = daemonset_drift(rendered, body)
+                if edited:
+                    self._reconcile_later(
+                        network, f"its DaemonSet was edited ({', '.join(edited)})"
+                    )
         self.batch.mark(network)
 
     def _child_event(self, kind: str, event_type: str | None, body: dict[str, Any]) -> None:
@@ -289,6 +342,11 @@ class Controller:
             digest = (meta.get("annotations") or {}).get(c.CONFIG_HASH_ANNOTATION)
             if applied is not None and digest != applied.config_hash:
                 self._reconcile_later(network, "its ConfigMap was changed")
+        elif kind in ("ClusterRole", "ClusterRoleBinding"):
+            rendered = self.store.rendered.get(network, {}).get(kind)
+            edited = rbac_drift(rendered, body) if rendered is not None else []
+            if edited:
+                self._reconcile_later(network, f"its {kind} was edited ({', '.join(edited)})")
 
     def _reconcile_later(self, name: str, why: str) -> None:
         body = self.store.networks.get(name)
@@ -318,6 +376,7 @@ class Controller:
     async def reconcile(self, body: dict[str, Any]) -> None:
         """Render and apply the children of one network (idempotent)."""
         name = body["metadata"]["name"]
+        await self._wait_synced()  # NIC conflicts are judged from the reported netdevs too
         async with self._locks[name]:
             if cleanup.deleting(body):
                 return
@@ -346,6 +405,10 @@ class Controller:
         except InvalidObject as err:
             self._fail(name, c.REASON_INVALID_SPEC, str(err))
             raise PermanentFailure(str(err)) from None
+        refusal = image_refusal(network, self.settings.render.allowed_agent_images)
+        if refusal:
+            self._fail(name, c.REASON_AGENT_IMAGE_NOT_ALLOWED, refusal)
+            raise PermanentFailure(refusal)
         generation = network.metadata.generation or 0
         held = await self._holding_conflicts(name, network)
         if held:
@@ -357,17 +420,35 @@ class Controller:
         digest = config_hash(agent_config(network))
         existing = await self.kube.get_or_none(CONFIGMAP, child_name(name), namespace)
         config_gen = config_generation(digest, generation, existing)
-        children = render_network(network, self.settings.render, config_generation=config_gen)
-        try:
-            await apply_children(self.kube, children, after=_kill_point)
-        except ApplyFailed as err:
-            self._apply_failed(name, err)
-            raise
+        wants = cleanup.wants_finalizer(body)
         has = c.CLEANUP_FINALIZER in cleanup.finalizers(body)
-        if cleanup.wants_finalizer(body) != has:
-            await cleanup.set_finalizer(
-                self.kube, name, cleanup.wants_finalizer(body), c.FIELD_MANAGER
+        if wants and not has:
+            # First: a child that exists without it would be collected unreverted if the
+            # network were deleted before the finalizer came.
+            await cleanup.set_finalizer(self.kube, name, True, c.FIELD_MANAGER)
+        children = render_network(network, self.settings.render, config_generation=config_gen)
+        if network.spec.cleanup_on_delete and network.metadata.uid:
+            # The ClusterRole owns the other children and the namespace owns it (see
+            # render.common.anchor_references): apply it first, then the rest with its uid.
+            ns = await self.kube.get_or_none(NAMESPACE, namespace)
+            ns_uid = str(((ns or {}).get("metadata") or {}).get("uid") or "") or None
+            anchored = functools.partial(
+                render_network,
+                network,
+                self.settings.render,
+                config_generation=config_gen,
+                namespace_uid=ns_uid,
             )
+            role = await self._apply(name, anchored()[:1])
+            children = anchored(anchor_uid=str(role[0]["metadata"]["uid"]))
+            await self._apply(name, children[1:])
+        else:
+            await self._apply(name, children)
+        if has and not wants:
+            await cleanup.set_finalizer(self.kube, name, False, c.FIELD_MANAGER)
+        self.store.rendered[name] = {
+            str(o["kind"]): o for o in children if o["kind"] in DRIFT_CHECKED
+        }
         self.store.applied[name] = Applied(generation, config_gen, digest)
         self.store.errors.pop(name, None)
         log.info(
@@ -377,6 +458,13 @@ class Controller:
             config_gen,
         )
         self.batch.mark(name)
+
+    async def _apply(self, name: str, children: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        try:
+            return await apply_children(self.kube, children, after=_kill_point)
+        except ApplyFailed as err:
+            self._apply_failed(name, err)
+            raise
 
     async def _holding_conflicts(self, name: str, network: MetaRoceNetwork) -> list[Conflict]:
         """Conflicts with older networks, from a fresh list (a network created a moment
@@ -396,7 +484,7 @@ class Controller:
                 order[other_name] = created_order(other)
         nodes = await self.kube.list_items(NODE, cached=True)
         labels = {v.name: v.labels for v in map(NodeView.from_body, nodes)}
-        return holding_conflicts(name, networks, order, labels, self._netdevs())
+        return holding_conflicts(name, networks, order, labels, self._netdevs(), self._nics())
 
     async def _hold(self, name: str, body: dict[str, Any], held: list[Conflict]) -> None:
         messages = tuple(conflict.held_message() for conflict in held)
@@ -415,6 +503,13 @@ class Controller:
         """network -> node -> the netdevs its agent reports."""
         return {
             network: {node: r.netdevs for node, r in by_node.items() if r.netdevs}
+            for network, by_node in self.store.reports.items()
+        }
+
+    def _nics(self) -> dict[str, dict[str, tuple[ReportedNic, ...]]]:
+        """network -> node -> the NICs its agent reports, with their attributes."""
+        return {
+            network: {node: r.nics for node, r in by_node.items() if r.nics}
             for network, by_node in self.store.reports.items()
         }
 
@@ -444,6 +539,9 @@ class Controller:
         """Compute the status of one network and write it if it changed."""
         body = self.store.networks.get(name)
         if body is None:
+            return
+        if not self.synced:  # the batch loop starts after the sync; belt and braces
+            self.batch.mark(name)
             return
         if cleanup.deleting(body):
             await self._flush_deleting(name, body)
@@ -566,6 +664,10 @@ class Controller:
             )
         else:
             log.info("%s: every node reported its settings reverted; releasing", name)
+        # The agents go now (the ClusterRole owns the other children, see
+        # render.common.anchor_references), then the network.
+        if await self.kube.delete(CLUSTERROLE, child_name(name)):
+            log.info("%s: deleted its agents' ClusterRole; the rest is garbage-collected", name)
         await cleanup.set_finalizer(self.kube, name, False, c.FIELD_MANAGER)
 
     def _recheck_at(self, name: str, delay: float) -> None:
@@ -597,6 +699,10 @@ class Controller:
             b["metadata"]["name"] for b in await self.kube.list_items(NETWORK, cached=True)
         }
         await self._collect_garbage(live_networks)
+        # Known from the list or from a watch event: a network created a moment ago may be
+        # missing from the (watch-cache) list; its children and fresh taints are no orphans.
+        known = live_networks | set(self.store.networks)
+        await self._collect_orphaned_children(known)
         valid: dict[str, MetaRoceNetwork] = {}
         for name, body in self.store.networks.items():
             if cleanup.deleting(body):
@@ -615,8 +721,15 @@ class Controller:
                 self.store.eligible[name] = eligible
                 self.batch.mark(name)
         self._check_conflicts(valid, labels)
+        await self._remove_orphaned_taints(known)
         for name, network in valid.items():
-            await self._taints(name, network)
+            await self._taints(name, network, known)
+
+    async def _remove_orphaned_taints(self, live_networks: set[str]) -> None:
+        """Taints of networks that are gone (the network's own planning stops with it)."""
+        for node, network in taints.orphaned_taints(self.store.nodes or {}, live_networks).items():
+            if await taints.set_taint(self.kube, node, network, False):
+                log.info("removed the taint of deleted network %s from node %s", network, node)
 
     def _check_conflicts(
         self, valid: dict[str, MetaRoceNetwork], labels: Mapping[str, Mapping[str, str]]
@@ -629,7 +742,7 @@ class Controller:
                 with contextlib.suppress(InvalidObject):
                     contenders[name] = validate_network(body)  # owns its NICs until gone
         order = {name: created_order(self.store.networks.get(name) or {}) for name in contenders}
-        found = find_conflicts(contenders.values(), labels, self._netdevs())
+        found = find_conflicts(contenders.values(), labels, self._netdevs(), self._nics())
         for name in valid:
             blocking: list[str] = []
             yielded: list[str] = []
@@ -676,13 +789,31 @@ class Controller:
             if await self.kube.delete(NODESTATE, report.name, uid=report.uid or None):
                 log.info("deleted NodeState %s: its %s no longer exists", report.name, why)
 
+    async def _collect_orphaned_children(self, live: set[str]) -> None:
+        """Delete the anchor ClusterRole of a network that is gone (its finalizer removed
+        by hand, or the operator down while it went): the garbage collector then takes
+        the agents and the rest. Children owned by a network are the collector's."""
+        selector = f"{c.MANAGED_BY_LABEL}={c.MANAGED_BY},{c.COMPONENT_LABEL}={c.COMPONENT_AGENT}"
+        now = now_utc()
+        for role in await self.kube.list_items(CLUSTERROLE, label_selector=selector, cached=True):
+            meta = role.get("metadata") or {}
+            network = (meta.get("labels") or {}).get(c.NETWORK_LABEL, "")
+            owners = {ref.get("kind") for ref in meta.get("ownerReferences") or []}
+            if not network or network in live or c.NETWORK_KIND in owners:
+                continue  # a network's own children are the garbage collector's
+            created = parse_time(meta.get("creationTimestamp"))
+            if created and (now - created).total_seconds() < self.settings.nodestate_grace:
+                continue  # its network may be too new for the list
+            if await self.kube.delete(CLUSTERROLE, meta["name"], uid=meta.get("uid")):
+                log.info("deleted the agents of network %s, which no longer exists", network)
+
     async def _delete_nodestates(self, network: str) -> None:
         """One request for all of them (agents label their NodeStates); an unlabelled
         straggler is collected by the node pass once its network is gone."""
         await self.kube.delete_collection(NODESTATE, label_selector=f"{c.NETWORK_LABEL}={network}")
         log.info("deleted the NodeStates of %s", network)
 
-    async def _taints(self, name: str, network: MetaRoceNetwork) -> None:
+    async def _taints(self, name: str, network: MetaRoceNetwork, live: set[str]) -> None:
         health = network.spec.health
         reports = self.store.reports.get(name, {})
         verdicts = probes.judge(reports, health.probe)
@@ -693,7 +824,13 @@ class Controller:
         }
         members = set(self.store.eligible.get(name) or reports)
         plan = taints.plan_taints(
-            name, health.action, health.max_tainted_fraction, members, sick, self.store.nodes or {}
+            name,
+            health.action,
+            health.max_tainted_fraction,
+            members,
+            sick,
+            self.store.nodes or {},
+            live=live,
         )
         if not plan.empty:
             changed = await taints.apply_plan(self.kube, name, plan)

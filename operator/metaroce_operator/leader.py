@@ -8,8 +8,9 @@ compete for one Lease; only the holder runs the reconcilers. As in client-go:
   skew between machines does not matter);
 - every write is a PUT with the observed resourceVersion, so two candidates cannot both win;
 - the leader renews every `retry_period`; if it could not renew for `renew_deadline`
-  (shorter than the lease duration), `is_leader()` turns false at once and the write gate
-  closes, before any follower may take over;
+  (shorter than the lease duration, counted from when the last successful write was
+  sent, not answered), `is_leader()` turns false at once and the write gate closes,
+  before any follower may take over;
 - on a clean shutdown the leader releases the lease, so a follower takes over at once.
 """
 
@@ -208,10 +209,11 @@ class LeaderElector:
         announced = ""
         while not stop.is_set():
             self.heartbeat = self.clock()
+            sent = self.clock()
             try:
                 if await self.try_acquire_or_renew():
                     self._leading = True
-                    self._last_renew = self.clock()
+                    self._last_renew = sent
                     metrics.LEADER.set(1)
                     log.info(
                         "acquired the lease %s/%s as %s", self.namespace, self.name, self.identity
@@ -239,6 +241,7 @@ class LeaderElector:
             if not self.is_leader():
                 self._lose(f"not renewed for {self.renew_deadline:g}s")
                 return
+            sent = self.clock()
             try:
                 ok = await asyncio.wait_for(
                     self.try_acquire_or_renew(),
@@ -251,7 +254,9 @@ class LeaderElector:
             if not ok:
                 self._lose(f"{self.holder or 'another replica'} holds it now")
                 return
-            self._last_renew = self.clock()
+            # From when the write was sent, not when its answer came: a follower may time
+            # the lease from as early as that, so a slow answer must not stretch our term.
+            self._last_renew = sent
 
     async def release(self) -> None:
         """Give the lease up (clean shutdown), so a follower need not wait for it to expire."""

@@ -38,6 +38,17 @@ class PeerResult:
 
 
 @dataclass(frozen=True)
+class ReportedNic:
+    """One NIC an agent reports, with the attributes NIC selectors match on."""
+
+    netdev: str
+    driver: str | None = None
+    vendor_id: str | None = None
+    device_id: str | None = None
+    rdma_device: str | None = None
+
+
+@dataclass(frozen=True)
 class NodeReport:
     """The parts of one MetaRoceNodeState the operator acts on."""
 
@@ -55,6 +66,7 @@ class NodeReport:
     reverted: bool = False
     transport: str = "none"
     netdevs: tuple[str, ...] = ()
+    nics: tuple[ReportedNic, ...] = ()
     created: datetime | None = None
 
     @classmethod
@@ -111,6 +123,10 @@ class NodeReport:
             reverted=status.reverted,
             transport=status.transport.mode if status.transport else "none",
             netdevs=tuple(sorted(d.netdev for d in status.inventory or [])),
+            nics=tuple(
+                ReportedNic(d.netdev, d.driver, d.vendor_id, d.device_id, d.rdma_device)
+                for d in sorted(status.inventory or [], key=lambda d: d.netdev)
+            ),
         )
 
 

@@ -95,10 +95,20 @@ class RenderSettings:
     """Namespace of the agents (labelled for the `privileged` Pod Security level)."""
     agent_image: str = DEFAULT_AGENT_IMAGE
     """Image when the network does not set `spec.agent.image`."""
+    extra_agent_images: tuple[str, ...] = ()
+    """Further images a network may set in `spec.agent.image` (`--allowed-agent-image`)."""
 
     def __post_init__(self) -> None:
         check_namespace("--namespace", self.namespace)
         check_image("--agent-image", self.agent_image)
+        for image in self.extra_agent_images:
+            check_image("--allowed-agent-image", image)
+
+    @property
+    def allowed_agent_images(self) -> tuple[str, ...]:
+        """The agent images this operator runs: its default, then the flags' (exact
+        references: a digest pins one build, a tag what the registry serves for it)."""
+        return tuple(dict.fromkeys((self.agent_image, *self.extra_agent_images)))
 
 
 def check_secret_ref(flag: str, value: str) -> tuple[str, str]:

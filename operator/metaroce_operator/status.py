@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -252,6 +253,8 @@ def compute_status(
         or not ds.rolled_out
     )
     waiting = t.configured + t.failed < desired
+    fraction = network.spec.health.ready_fraction
+    needed = math.ceil(fraction * desired - 1e-9)  # 0.9 x 10 is 9.000000000000002
     members = f"kubectl get mrns -l {c.NETWORK_LABEL}={name}"
 
     # --- Degraded: every problem, the most severe first ---------------------------------
@@ -314,10 +317,17 @@ def compute_status(
             "no node matches spec.nodeSelector (or the nodes have taints the agents do not "
             "tolerate): label nodes, or change spec.nodeSelector / spec.tolerations",
         )
-    elif t.failed:
-        ready = (False, c.REASON_NODES_FAILED, failed_message)
     elif t.healthy == desired and not waiting:
         ready = (True, c.REASON_RECONCILED, f"all {desired} node(s) configured and healthy")
+    elif not waiting and t.healthy >= needed and needed < desired:
+        ready = (
+            True,
+            c.REASON_RECONCILED,
+            f"{t.healthy} of {desired} node(s) configured and healthy (spec.health."
+            f"readyFraction {fraction:g} needs {needed}); see Degraded for the others",
+        )
+    elif t.failed:
+        ready = (False, c.REASON_NODES_FAILED, failed_message)
     elif t.unhealthy and t.configured >= desired:
         ready = (
             False,

@@ -59,6 +59,19 @@ def max_tainted(fraction: float, members: int) -> int:
     return int(fraction * members + 1e-9)
 
 
+def orphaned_taints(nodes: Mapping[str, NodeView], live: Collection[str]) -> dict[str, str]:
+    """node -> network, for our taints whose network no longer exists (pure).
+
+    A network's taints are only planned while it exists; once it is deleted they would
+    keep the node unschedulable for every pod, so the node pass removes these."""
+    out: dict[str, str] = {}
+    for name, view in nodes.items():
+        taint = _our_taint(view)
+        if taint is not None and str(taint.get("value", "")) not in live:
+            out[name] = str(taint.get("value", ""))
+    return out
+
+
 def plan_taints(
     network: str,
     action: str,
@@ -66,11 +79,14 @@ def plan_taints(
     members: Collection[str],
     unhealthy: Collection[str],
     nodes: Mapping[str, NodeView],
+    *,
+    live: Collection[str] | None = None,
 ) -> TaintPlan:
     """Which nodes to taint and untaint (pure).
 
     Nodes tainted by this network stay tainted while unhealthy (no churn); new ones are
-    added in name order until the cap; taints of other networks count toward the cap.
+    added in name order until the cap; taints of other networks count toward the cap,
+    those of networks not in `live` (deleted ones, when given) do not.
     """
     member_set, sick = set(members), set(unhealthy) & set(members)
     ours: set[str] = set()
@@ -79,7 +95,11 @@ def plan_taints(
         taint = _our_taint(view)
         if taint is None:
             continue
-        (ours if taint.get("value") == network else others).add(name)
+        owner = taint.get("value")
+        if owner == network:
+            ours.add(name)
+        elif live is None or owner in live:
+            others.add(name)
     if action != "taint":
         return TaintPlan(remove=tuple(sorted(ours)))
     cap = max_tainted(fraction, len(member_set))

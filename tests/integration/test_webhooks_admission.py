@@ -86,7 +86,6 @@ def test_user_values_survive_the_real_apiserver(
     ("networks", "words"),
     [
         ("nosuch", ["network 'nosuch'", "does not exist", "(ready)"]),
-        ("cold-{tag}", ["network 'cold-{tag}' has no ready node"]),
         ("Bad_Name", ["is not a network name"]),
     ],
 )
@@ -101,6 +100,16 @@ def test_refusals_reach_the_user(
         assert word.format(tag=running.tag) in proc.stderr
     if "nosuch" in networks:
         assert f"be-{running.tag}" in proc.stderr  # lists what exists
+
+
+def test_a_network_without_a_healthy_node_still_admits_pods(
+    cluster: LocalCluster, running: WebhookEnv, namespace: str
+) -> None:
+    """Node health is not admission's business (issue 16 #5): during a rollout no node is
+    healthy, and the scheduler keeps the pod Pending until a node has the resource."""
+    out = json.loads(create(cluster, namespace, pod_manifest("cold", f"cold-{running.tag}")).stdout)
+    limits = out["spec"]["containers"][0]["resources"]["limits"]
+    assert limits == {f"metaroce.io/cold-{running.tag}": "1"}
 
 
 def test_pod_security_baseline_namespace_is_refused_with_the_reason(

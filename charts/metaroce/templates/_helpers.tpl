@@ -62,8 +62,8 @@ app.kubernetes.io/component: operator
 
 {{/*
 The operator's arguments: exactly operator/metaroce_operator/cli.py chart_arguments(
-namespace, agent image, fullname, webhook port, cert-manager), with the log level from
-values (tests/integration/chart checks that they agree).
+namespace, agent image, fullname, webhook port, cert-manager, allowed agent images), with
+the log level from values (tests/integration/chart checks that they agree).
 */}}
 {{- define "metaroce.operatorArgs" -}}
 {{- $fullname := include "metaroce.fullname" . -}}
@@ -79,5 +79,8 @@ values (tests/integration/chart checks that they agree).
 - --webhook-validating-config={{ include "metaroce.networksWebhook" . }}
 {{- if .Values.webhook.certManager.enabled }}
 - --webhook-cert-manager
+{{- end }}
+{{- range .Values.agent.allowedImages }}
+- --allowed-agent-image={{ . }}
 {{- end }}
 {{- end -}}

@@ -29,9 +29,15 @@ def render_network(
     settings: RenderSettings,
     *,
     config_generation: int | None = None,
+    anchor_uid: str | None = None,
+    namespace_uid: str | None = None,
 ) -> list[dict[str, Any]]:
-    """The children of `network`, in apply order: ServiceAccount, ClusterRole,
-    ClusterRoleBinding, ConfigMap, DaemonSet (the DaemonSet last, so its pods find the
-    rest). `config_generation`: see `render.configmap.config_generation`."""
-    ctx = RenderContext.build(network, settings, config_generation)
-    return [*render_rbac(ctx), render_configmap(ctx), render_daemonset(ctx)]
+    """The children of `network`, in apply order: ClusterRole, ServiceAccount,
+    ClusterRoleBinding, ConfigMap, DaemonSet (the ClusterRole first: with
+    `cleanupOnDelete` it owns the others, see `common.anchor_references`, whose
+    `anchor_uid` is its uid, and `namespace_uid` that of the agents' namespace, which
+    owns it; the DaemonSet last, so its pods find the rest).
+    `config_generation`: see `render.configmap.config_generation`."""
+    ctx = RenderContext.build(network, settings, config_generation, anchor_uid, namespace_uid)
+    account, role, binding = render_rbac(ctx)
+    return [role, account, binding, render_configmap(ctx), render_daemonset(ctx)]

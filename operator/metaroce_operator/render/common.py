@@ -77,6 +77,40 @@ def owner_references(network: MetaRoceNetwork) -> list[dict[str, Any]]:
     ]
 
 
+def anchor_references(network: MetaRoceNetwork, anchor_uid: str) -> list[dict[str, Any]]:
+    """For a `cleanupOnDelete` network: the agents' ClusterRole as owner of the other
+    children, instead of the network.
+
+    Deleting the network must not take the agents (and the RBAC they report with) before
+    every node reported its settings reverted. A finalizer on the network holds the
+    network, not its dependents: foreground deletion (`--cascade=foreground`, Argo CD's
+    prune default) makes the garbage collector delete those first. So these children are
+    not the network's dependents: the ClusterRole (cluster-scoped, so it may own both the
+    cluster-scoped and the namespaced children) has no owner, and the operator deletes it
+    once the nodes reverted; the garbage collector then takes the rest. No
+    blockOwnerDeletion: that would need update on clusterroles/finalizers.
+
+    The ClusterRole itself is owned by the agents' namespace (see
+    `namespace_references`), so uninstalling the chart (which deletes the namespace)
+    leaves nothing behind even when a network's finalizer was removed by hand with no
+    operator running."""
+    return [
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRole",
+            "name": child_name(network.name),
+            "uid": anchor_uid,
+        }
+    ]
+
+
+def namespace_references(namespace: str, namespace_uid: str | None) -> list[dict[str, Any]]:
+    """The agents' namespace as owner of a cleanupOnDelete network's ClusterRole."""
+    if not namespace_uid:
+        return []
+    return [{"apiVersion": "v1", "kind": "Namespace", "name": namespace, "uid": namespace_uid}]
+
+
 def agent_config(network: MetaRoceNetwork, config_generation: int | None = None) -> AgentConfig:
     """The agent's config; `config_generation` is the generation it was first rendered at."""
     config = AgentConfig.from_network(network)
@@ -131,6 +165,10 @@ class RenderContext:
     labels: dict[str, str]
     selector: dict[str, str]
     owner_refs: list[dict[str, Any]]
+    """Of every child but the ClusterRole."""
+    anchor_owner_refs: list[dict[str, Any]]
+    """Of the ClusterRole: when it is the anchor (see `anchor_references`), its
+    namespace's, not the network's."""
 
     @classmethod
     def build(
@@ -138,8 +176,15 @@ class RenderContext:
         network: MetaRoceNetwork,
         settings: RenderSettings,
         config_generation: int | None = None,
+        anchor_uid: str | None = None,
+        namespace_uid: str | None = None,
     ) -> RenderContext:
         config = agent_config(network, config_generation)
+        owners = owner_references(network)
+        anchor_owners = owners
+        if network.spec.cleanup_on_delete:
+            owners = anchor_references(network, anchor_uid) if anchor_uid else []
+            anchor_owners = namespace_references(settings.namespace, namespace_uid)
         return cls(
             network=network,
             settings=settings,
@@ -150,7 +195,8 @@ class RenderContext:
             namespace=settings.namespace,
             labels=child_labels(network.name),
             selector=selector_labels(network.name),
-            owner_refs=owner_references(network),
+            owner_refs=owners,
+            anchor_owner_refs=anchor_owners,
         )
 
     def values(self) -> dict[str, Any]:

@@ -14,7 +14,7 @@ def render_rbac(ctx: RenderContext) -> list[dict[str, Any]]:
         render_template("agent/serviceaccount.yaml.j2", **values),
         render_template(
             "agent/clusterrole.yaml.j2",
-            **values,
+            **{**values, "owner_refs": ctx.anchor_owner_refs},
             group=c.GROUP,
             nodestates=c.NODESTATE_PLURAL,
             networks=c.NETWORK_PLURAL,

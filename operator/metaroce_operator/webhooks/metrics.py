@@ -13,7 +13,8 @@ LATENCY = Histogram(
 )
 DECISIONS = Counter(
     "metaroce_webhook_decisions_total",
-    "Admission decisions by endpoint and outcome (allowed, denied, error).",
+    "Admission decisions by endpoint and outcome (allowed, denied; error and unavailable are "
+    "answered as HTTP errors, left to the failurePolicy).",
     ["endpoint", "decision"],
 )
 NETWORKS_CACHED = Gauge(

@@ -4,12 +4,18 @@
 `Denied(message)`. The server only decodes the AdmissionReview and encodes the answer.
 
 For each network named in the annotation (comma list, trimmed, deduplicated, order kept):
-- the network must exist and have at least one healthy node (`status.nodes.healthy`);
-  a network that is only partly ready is fine (jobs can start on the ready nodes);
+- the network must exist and be readable; its nodes' health is not admission's
+  business (every agent-config rollout has no healthy node until the agents report
+  again; the scheduler, the advertised resources and the taints keep pods off bad
+  nodes), so only what is wrong with the pod or the network's existence is refused;
 - the container NCCL runs in (the first container, or the one named by the annotation
-  `metaroce.io/container`) gets `requests` and `limits` of the network's resource = 1,
-  unless some container already asks for that resource (then the pod's own numbers
-  stand; a request without a limit gets the limit the apiserver requires, equal to it);
+  `metaroce.io/container`, which may be an init container) gets `requests` and `limits`
+  of the network's resource = 1, unless some container (init containers included)
+  already asks for that resource (then the pod's own numbers stand; a request without a
+  limit gets the limit the apiserver requires, equal to it);
+- the settings below go to each container that holds a unit of the network's resource
+  (the one that gets the device), not to a fixed `containers[0]`: a prepended sidecar
+  gets nothing;
 - that container gets the capability `IPC_LOCK` (RDMA pins memory), unless the user
   explicitly drops it; a namespace whose Pod Security level (`enforce` label) is
   `baseline` or `restricted` forbids IPC_LOCK, so such a pod is refused with that reason;
@@ -330,35 +336,26 @@ def mutate_pod(
                 f"{who}: network {name!r} cannot be read by this operator: {view.problem}; "
                 "fix the MetaRoceNetwork or upgrade the operator"
             )
-        if view.healthy_nodes == 0:
-            desired = view.desired_nodes
-            return Denied(
-                f"{who}: network {name!r} has no ready node yet (0 of {desired} node(s) "
-                f"configured and healthy): wait until `kubectl get metarocenetwork {name}` "
-                "shows nodes, or read its status.failingNodes; "
-                f"{_existing(networks)}"
-            )
         views.append(view)
 
     spec = pod.get("spec") or {}
-    containers: list[Mapping[str, Any]] = spec.get("containers") or []
-    if not containers:
+    slots = _containers(spec)
+    if not any(slot.kind == "containers" for slot in slots):
         return Denied(f"{who}: the pod has no containers to attach network(s) to")
     wanted_container = annotations.get(CONTAINER_ANNOTATION)
     if wanted_container is not None:
-        names_in_pod = [c.get("name") for c in containers]
-        if wanted_container not in names_in_pod:
+        named = [slot for slot in slots if slot.name == wanted_container]
+        if not named:
+            names_in_pod = [slot.name for slot in slots]
             return Denied(
                 f"{who}: annotation {CONTAINER_ANNOTATION} names container "
                 f"{wanted_container!r}, which the pod does not have; its containers are "
                 f"{', '.join(repr(n) for n in names_in_pod)}: name one of them, or remove the "
                 "annotation to use the first"
             )
-        index = names_in_pod.index(wanted_container)
+        default = named[0]
     else:
-        index = 0
-    container = containers[index]
-    cname = container.get("name", f"#{index}")
+        default = slots[0]
 
     warnings: list[str] = []
     labels = namespace.labels
@@ -387,78 +384,50 @@ def mutate_pod(
             )
 
     patch = _Patch(pod)
-    cpath: list[str | int] = ["spec", "containers", index]
-    injected: dict[str, Any] = {"networks": names, "container": cname}
+    injected: dict[str, Any] = {"networks": names}
 
-    # Resources: one unit (= one NIC) of each network, unless the pod asks already.
+    # Resources: one unit (= one NIC) of each network, unless a container (init ones
+    # included) asks already. The settings below go to the containers that hold a unit.
     resources: dict[str, str] = {}
     wanted: dict[str, str] = {}
+    served: dict[_Slot, list[NetworkView]] = {}
     for view in views:
         assert view.network is not None
         resource = view.network.resource_name
-        owners = [c for c in containers if _has_resource(c, resource)]
+        owners = [slot for slot in slots if _has_resource(slot.body, resource)]
         for owner in owners:
-            res = owner.get("resources") or {}
+            res = owner.body.get("resources") or {}
             requests = res.get("requests") or {}
             limits = res.get("limits") or {}
             if resource in requests and resource not in limits:
-                oi = containers.index(owner)
-                patch.set(
-                    ["spec", "containers", oi, "resources", "limits", resource], requests[resource]
-                )
+                patch.set([*owner.path, "resources", "limits", resource], requests[resource])
                 resources[resource] = str(requests[resource])
-        if owners:
-            continue
-        wanted[resource] = "1"
-        resources[resource] = "1"
+        if not owners:
+            wanted[resource] = "1"
+            resources[resource] = "1"
+            owners = [default]
+        for owner in owners:
+            served.setdefault(owner, []).append(view)
     if wanted:
-        patch.merge([*cpath, "resources"], {"requests": dict(wanted), "limits": dict(wanted)})
+        patch.merge(
+            [*default.path, "resources"], {"requests": dict(wanted), "limits": dict(wanted)}
+        )
     if resources:
         injected["resources"] = resources
 
-    # IPC_LOCK, unless explicitly dropped.
-    caps = (container.get("securityContext") or {}).get("capabilities") or {}
-    added = caps.get("add") or []
-    dropped = caps.get("drop") or []
-    if IPC_LOCK in dropped:
-        warnings.append(
-            f"container {cname!r} drops {IPC_LOCK}: left as written, but RDMA memory "
-            "registration will fail unless the memlock limit is raised some other way"
-        )
-    elif IPC_LOCK not in added:
-        patch.append([*cpath, "securityContext", "capabilities", "add"], IPC_LOCK)
-        injected["capabilities"] = [IPC_LOCK]
-
-    # Network-wide NCCL variables: the first network listed wins; never the user's.
-    user_env = {e.get("name") for e in container.get("env") or [] if isinstance(e, Mapping)}
-    env: dict[str, str] = {}
-    origin: dict[str, str] = {}
-    for view in views:
-        assert view.network is not None
-        for key, value in network_env(view.network).items():
-            if key not in env:
-                env[key], origin[key] = value, view.name
-            elif env[key] != value:
-                warnings.append(
-                    f"{key}: networks {origin[key]!r} and {view.name!r} want different values "
-                    f"({env[key]} and {value}); {origin[key]!r} (listed first) wins"
-                )
-    kept = sorted(k for k in env if k in user_env)
-    added_env = {k: v for k, v in env.items() if k not in user_env}
-    patch.extend([*cpath, "env"], [{"name": k, "value": v} for k, v in added_env.items()])
-    if added_env:
-        injected["env"] = added_env
-    if kept:
-        injected["keptUserEnv"] = kept
-    if container.get("envFrom") and added_env:
-        warnings.append(
-            f"container {cname!r} uses envFrom: the NCCL variables metaroce sets in env "
-            f"({', '.join(sorted(added_env))}) take precedence over it; set them in env to "
-            "choose other values"
-        )
+    targets = list(served)
+    injected["container"] = targets[0].name
+    records = [_settle(patch, slot, served[slot], warnings) for slot in targets]
+    if len(targets) == 1:
+        injected.update(records[0])
+    else:
+        injected["containers"] = {
+            slot.name: rec for slot, rec in zip(targets, records, strict=True)
+        }
+    network_keys = {k for v in views if v.network for k in network_env(v.network)}
     plugin_env = sorted(
         {k for v in views if v.network for k in v.network.spec.attachment.nccl_env}
-        & set(DEVICE_PLUGIN_ENV) - set(env)
+        & set(DEVICE_PLUGIN_ENV) - network_keys
     )
     if plugin_env:
         injected["devicePluginEnv"] = plugin_env
@@ -474,3 +443,78 @@ def mutate_pod(
     summary = json.dumps(injected, sort_keys=True, separators=(",", ":"))
     patch.set(["metadata", "annotations", INJECTED_ANNOTATION], summary)
     return Allowed(patch=patch.ops, injected=injected, warnings=warnings)
+
+
+@dataclass(frozen=True, eq=False)
+class _Slot:
+    """One container of the pod (regular or init) and where it is in the pod."""
+
+    kind: str
+    """`containers` or `initContainers`."""
+    index: int
+    body: Mapping[str, Any]
+    name: str
+
+    @property
+    def path(self) -> list[str | int]:
+        return ["spec", self.kind, self.index]
+
+
+def _containers(spec: Mapping[str, Any]) -> list[_Slot]:
+    """Regular containers first (the default target is the first of them), then init
+    containers (a native sidecar or a setup step may hold the device)."""
+    out: list[_Slot] = []
+    for kind in ("containers", "initContainers"):
+        for index, body in enumerate(spec.get(kind) or []):
+            if isinstance(body, Mapping):
+                out.append(_Slot(kind, index, body, str(body.get("name") or f"#{index}")))
+    return out
+
+
+def _settle(
+    patch: _Patch, slot: _Slot, views: Sequence[NetworkView], warnings: list[str]
+) -> dict[str, Any]:
+    """IPC_LOCK and the network-wide NCCL variables for one container that holds units of
+    `views` (the first network listed wins a variable; the user's own env is never
+    touched). Returns what was injected into it."""
+    record: dict[str, Any] = {}
+    cname = slot.name
+    caps = (slot.body.get("securityContext") or {}).get("capabilities") or {}
+    added = caps.get("add") or []
+    dropped = caps.get("drop") or []
+    if IPC_LOCK in dropped:
+        warnings.append(
+            f"container {cname!r} drops {IPC_LOCK}: left as written, but RDMA memory "
+            "registration will fail unless the memlock limit is raised some other way"
+        )
+    elif IPC_LOCK not in added:
+        patch.append([*slot.path, "securityContext", "capabilities", "add"], IPC_LOCK)
+        record["capabilities"] = [IPC_LOCK]
+
+    user_env = {e.get("name") for e in slot.body.get("env") or [] if isinstance(e, Mapping)}
+    env: dict[str, str] = {}
+    origin: dict[str, str] = {}
+    for view in views:
+        assert view.network is not None
+        for key, value in network_env(view.network).items():
+            if key not in env:
+                env[key], origin[key] = value, view.name
+            elif env[key] != value:
+                warnings.append(
+                    f"{key}: networks {origin[key]!r} and {view.name!r} want different values "
+                    f"({env[key]} and {value}); {origin[key]!r} (listed first) wins"
+                )
+    kept = sorted(k for k in env if k in user_env)
+    added_env = {k: v for k, v in env.items() if k not in user_env}
+    patch.extend([*slot.path, "env"], [{"name": k, "value": v} for k, v in added_env.items()])
+    if added_env:
+        record["env"] = added_env
+    if kept:
+        record["keptUserEnv"] = kept
+    if slot.body.get("envFrom") and added_env:
+        warnings.append(
+            f"container {cname!r} uses envFrom: the NCCL variables metaroce sets in env "
+            f"({', '.join(sorted(added_env))}) take precedence over it; set them in env to "
+            "choose other values"
+        )
+    return record

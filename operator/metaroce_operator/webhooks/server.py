@@ -10,8 +10,10 @@ Endpoints: `POST /mutate-pod`, `POST /validate-network` (AdmissionReview v1 in a
 - keep-alive HTTP/1.1, TCP_NODELAY, one write per answer: the apiserver reuses its
   connections and the answer leaves in one TLS record;
 - every replica serves from its own `NetworkWatch`; a request that arrives before the
-  first list completes waits up to `sync_timeout` and is then refused (fail closed) with a
-  message saying why.
+  first list completes waits up to `sync_timeout` and is then answered with HTTP 503;
+  an internal error with HTTP 500. Never with `allowed: false`: the apiserver honours a
+  denial whatever the failurePolicy, while a call error is left to the policy (the
+  chart's `Fail` for annotated pods, or `Ignore` where an admin chose to fail open).
 
 `serve_main(argv)` runs it standalone (`python -m metaroce_operator.webhooks`); the
 operator can embed `WebhookApp` instead (see `WebhookApp.start`).
@@ -53,6 +55,17 @@ HEALTH_PATHS = ("/healthz", "/readyz")
 # --- admission logic over the caches ----------------------------------------------------------
 
 
+class WebhookUnavailable(Exception):
+    """The webhook cannot decide (cache not loaded, internal error): answered as an HTTP
+    error so that the webhook's failurePolicy decides, not as a denial."""
+
+    def __init__(self, code: int, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.reason = reason
+        self.message = message
+
+
 class AdmissionHandler:
     """AdmissionReview dict in, AdmissionReview dict out; no I/O beyond the caches."""
 
@@ -66,7 +79,9 @@ class AdmissionHandler:
         check_pod_security: bool = True,
         default_pod_security: str = "privileged",
         sync_timeout: float = 2.0,
+        allowed_agent_images: Sequence[str] | None = None,
     ) -> None:
+        self.allowed_agent_images = allowed_agent_images
         self.networks = networks
         self.synced = synced
         self.namespace_labels = namespace_labels
@@ -75,15 +90,15 @@ class AdmissionHandler:
         self.default_pod_security = default_pod_security
         self.sync_timeout = sync_timeout
 
-    def _not_synced(self) -> Denied | None:
+    def _wait_synced(self) -> None:
         if self.synced.is_set() or self.synced.wait(self.sync_timeout):
-            return None
-        return Denied(
+            return
+        raise WebhookUnavailable(
+            503,
+            "ServiceUnavailable",
             "the metaroce webhook has not loaded the MetaRoceNetworks yet (the operator is "
             "starting, or cannot reach the API server): retry in a few seconds; if this "
             "persists, read the operator's log",
-            code=503,
-            reason="ServiceUnavailable",
         )
 
     def mutate(self, request: Mapping[str, Any]) -> Allowed | Denied:
@@ -91,9 +106,7 @@ class AdmissionHandler:
             return Allowed()
         pod = request.get("object") or {}
         namespace = request.get("namespace") or (pod.get("metadata") or {}).get("namespace", "")
-        waiting = self._not_synced()
-        if waiting:
-            return waiting
+        self._wait_synced()
         return mutate_pod(
             pod,
             self.networks(),
@@ -109,32 +122,40 @@ class AdmissionHandler:
         old = request.get("oldObject") or None
         if old is not None and old.get("spec") == obj.get("spec"):
             return Allowed()  # matchConditions skip these already; belt and braces
-        waiting = self._not_synced()
-        if waiting:
-            return waiting
+        self._wait_synced()
         others = [v.network for v in self.networks().values() if v.network is not None]
-        verdict = validate_network_change(obj, others, self.node_labels())
+        verdict = validate_network_change(
+            obj,
+            others,
+            self.node_labels(),
+            old=old,
+            allowed_agent_images=self.allowed_agent_images,
+        )
         name = (obj.get("metadata") or {}).get("name", "")
         if not verdict.allowed:
             return Denied(verdict.message(name), code=422, reason="Invalid")
         return Allowed(warnings=verdict.warnings)
 
     def review(self, endpoint: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        """The AdmissionReview answer; raises `WebhookUnavailable` when it cannot decide."""
         request = body.get("request") or {}
         uid = request.get("uid", "")
         try:
             handle = self.mutate if endpoint == MUTATE_PATH else self.validate
             decision = handle(request)
-            outcome = "allowed" if isinstance(decision, Allowed) else "denied"
+        except WebhookUnavailable:
+            metrics.DECISIONS.labels(endpoint=endpoint, decision="unavailable").inc()
+            raise
         except Exception as exc:
             log.exception("webhook %s failed", endpoint)
-            decision = Denied(
+            metrics.DECISIONS.labels(endpoint=endpoint, decision="error").inc()
+            raise WebhookUnavailable(
+                500,
+                "InternalError",
                 f"internal error in the metaroce webhook ({type(exc).__name__}: {exc}); "
                 "read the operator's log",
-                code=500,
-                reason="InternalError",
-            )
-            outcome = "error"
+            ) from exc
+        outcome = "allowed" if isinstance(decision, Allowed) else "denied"
         metrics.DECISIONS.labels(endpoint=endpoint, decision=outcome).inc()
         return {
             "apiVersion": body.get("apiVersion", "admission.k8s.io/v1"),
@@ -218,6 +239,7 @@ _REASONS = {
     404: "Not Found",
     411: "Length Required",
     413: "Payload Too Large",
+    500: "Internal Server Error",
     503: "Service Unavailable",
 }
 MAX_BODY = 8 << 20
@@ -281,6 +303,19 @@ def serve_connection(conn: Any, app: AdmissionHandler) -> None:
             return
 
 
+def _status_body(exc: WebhookUnavailable) -> bytes:
+    """A metav1.Status: the apiserver's client shows its message in the call error."""
+    status = {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "status": "Failure",
+        "code": exc.code,
+        "reason": exc.reason,
+        "message": exc.message,
+    }
+    return json.dumps(status, separators=(",", ":")).encode()
+
+
 def _answer(method: bytes, path: str, body: bytes, app: AdmissionHandler) -> bytes:
     if method == b"GET":
         if path in HEALTH_PATHS:
@@ -295,7 +330,10 @@ def _answer(method: bytes, path: str, body: bytes, app: AdmissionHandler) -> byt
         review = json.loads(body)
     except ValueError:
         return _response(400, b'{"error":"body is not JSON"}')
-    answer = app.review(path, review)
+    try:
+        answer = app.review(path, review)
+    except WebhookUnavailable as exc:
+        return _response(exc.code, _status_body(exc))
     data = _response(200, json.dumps(answer, separators=(",", ":")).encode())
     metrics.LATENCY.labels(endpoint=path).observe(time.perf_counter() - started)
     return data
@@ -445,6 +483,9 @@ class AppOptions:
     node_ttl: float = 30.0
     sync_timeout: float = 2.0
     reload_interval: float = 2.0
+    allowed_agent_images: Sequence[str] | None = None
+    """The images networks may name in spec.agent.image (the operator's allowlist, see
+    `images`); None: not checked (a standalone webhook given none)."""
 
 
 class WebhookApp:
@@ -491,6 +532,7 @@ class WebhookApp:
             check_pod_security=options.check_pod_security,
             default_pod_security=options.default_pod_security,
             sync_timeout=options.sync_timeout,
+            allowed_agent_images=options.allowed_agent_images,
         )
         self.server: WebhookServer | None = None
         self._stop = threading.Event()
@@ -653,6 +695,14 @@ def _parser() -> argparse.ArgumentParser:
         help="the cluster's PodSecurity default enforce level, for namespaces without the "
         "label (default privileged, the Kubernetes default)",
     )
+    p.add_argument(
+        "--allowed-agent-image",
+        action="append",
+        default=None,
+        metavar="IMAGE",
+        help="an image networks may name in spec.agent.image (repeatable; the operator's "
+        "--agent-image and --allowed-agent-image); without it, images are not checked",
+    )
     p.add_argument("--namespace-cache-ttl", type=float, default=30.0, metavar="SECONDS")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0 = none)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -700,7 +750,10 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
         check_pod_security=not args.no_pod_security_check,
         default_pod_security=args.pod_security_default,
         namespace_ttl=args.namespace_cache_ttl,
+        allowed_agent_images=tuple(args.allowed_agent_image) if args.allowed_agent_image else None,
     )
+    if args.allowed_agent_image is None:
+        log.warning("no --allowed-agent-image given: spec.agent.image is not checked")
     if args.metrics_port:
         from prometheus_client import start_http_server
 

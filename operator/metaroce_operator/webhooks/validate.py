@@ -28,7 +28,13 @@ from typing import Any
 
 from metaroce_api import InvalidObject, LabelSelector, MetaRoceNetwork, NicSelector
 from metaroce_api import validate_network as parse_network
-from metaroce_operator.conflicts import globs_intersect, nic_overlap, selector_matches
+from metaroce_operator.conflicts import (
+    globs_intersect,
+    nic_overlap,
+    same_attributes,
+    selector_matches,
+)
+from metaroce_operator.images import image_refusal
 
 NO_RDMA_DRIVERS = frozenset(
     {
@@ -65,9 +71,17 @@ SOFTROCE_DEVICE_GLOB = "rxe*"
 class Problem:
     field: str
     message: str
+    about: str = ""
+    """The other network the problem is with, if any (what an UPDATE compares)."""
 
     def __str__(self) -> str:
         return f"{self.field}: {self.message}"
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """The same problem in an old and a new spec (the message may differ in detail,
+        e.g. fewer shared nodes after a step towards the fix)."""
+        return (self.field, self.about or self.message)
 
 
 @dataclass
@@ -151,7 +165,7 @@ def _conflicts(
         if selectors_disjoint(a, b):
             continue
         both = shared_nodes(a, b, nodes) if nodes is not None else []
-        if not _same_attributes(net.spec.nics, other.spec.nics):
+        if not same_attributes(net.spec.nics, other.spec.nics):
             # e.g. drivers on one side, interfaceNames on the other: only the NICs the
             # agents find can tell; the leader's re-check flags a real conflict.
             where = f" on {len(both)} node(s)" if both else ""
@@ -169,6 +183,7 @@ def _conflicts(
                     f"network {other.name!r} can select the same NICs on {len(both)} node(s) "
                     f"({shown}): {overlap}. Make spec.nics or spec.nodeSelector of the two "
                     "networks disjoint (or delete one of them)",
+                    about=other.name,
                 )
             )
         elif nodes is None:
@@ -178,6 +193,7 @@ def _conflicts(
                     f"network {other.name!r} can select the same NICs ({overlap}) and the two "
                     "node selectors can select the same nodes. Make spec.nics or "
                     "spec.nodeSelector of the two networks disjoint (or delete one of them)",
+                    about=other.name,
                 )
             )
         else:
@@ -213,14 +229,6 @@ def _ports(
         )
 
 
-_NIC_ATTRIBUTES = ("interface_names", "pci_vendor_ids", "pci_device_ids", "drivers", "rdma_devices")
-
-
-def _same_attributes(a: NicSelector, b: NicSelector) -> bool:
-    """Whether both selectors constrain at least one attribute in common."""
-    return any(getattr(a, f) is not None and getattr(b, f) is not None for f in _NIC_ATTRIBUTES)
-
-
 def _resource_names(
     net: MetaRoceNetwork, others: Sequence[MetaRoceNetwork], verdict: Verdict
 ) -> None:
@@ -233,6 +241,7 @@ def _resource_names(
                     f"resource name {mine!r} is already used by network {other.name!r} "
                     "(kubelets would see two device plugins for one resource): set another "
                     "spec.attachment.resourceName",
+                    about=other.name,
                 )
             )
 
@@ -331,12 +340,42 @@ def validate_network_change(
     obj: Mapping[str, Any],
     others: Iterable[MetaRoceNetwork],
     nodes: Mapping[str, Mapping[str, str]] | None = None,
+    old: Mapping[str, Any] | None = None,
+    *,
+    allowed_agent_images: Sequence[str] | None = None,
 ) -> Verdict:
     """Judge a network create/update against the other networks and the nodes.
 
     `others`: the other networks (one with the same name is skipped); `nodes`: node name ->
     labels, or None when unknown (then NIC overlaps are judged from the selectors alone).
+    `allowed_agent_images`: the images `spec.agent.image` may name (see `images`); None
+    skips that check (a webhook told no allowlist).
+    `old`: on UPDATE, the object before: a problem it had already (with the same network,
+    in the same field) is a warning, not a refusal. Two networks that came to conflict
+    (a race at admission, nodes relabelled since) must stay editable, or neither could
+    be fixed step by step; the leader holds the later one meanwhile.
     """
+    others = list(others)
+    verdict = _judge(obj, others, nodes, allowed_agent_images)
+    if old is None or verdict.allowed:
+        return verdict
+    before = {p.key for p in _judge(old, others, nodes, allowed_agent_images).problems}
+    kept = [p for p in verdict.problems if p.key in before]
+    for problem in kept:
+        verdict.warnings.append(
+            f"{problem} (the network had this problem before this change, so the change is "
+            "admitted; fix it)"
+        )
+    verdict.problems = [p for p in verdict.problems if p.key not in before]
+    return verdict
+
+
+def _judge(
+    obj: Mapping[str, Any],
+    others: Iterable[MetaRoceNetwork],
+    nodes: Mapping[str, Mapping[str, str]] | None,
+    allowed_agent_images: Sequence[str] | None,
+) -> Verdict:
     verdict = Verdict()
     try:
         net = parse_network(obj)
@@ -348,4 +387,8 @@ def validate_network_change(
     _ports(net, rest, nodes, verdict)
     _resource_names(net, rest, verdict)
     _transport(net, verdict)
+    if allowed_agent_images is not None:
+        refusal = image_refusal(net, allowed_agent_images)
+        if refusal:
+            verdict.problems.append(Problem("spec.agent.image", refusal))
     return verdict

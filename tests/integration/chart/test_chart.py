@@ -104,6 +104,42 @@ def test_deployment_passes_exactly_chart_arguments(
     assert chart.find(docs, "PodDisruptionBudget")["spec"]["minAvailable"] == 1
 
 
+AGGREGATE = "rbac.authorization.k8s.io/aggregate-to-"
+
+
+def test_default_roles_get_read_access_only_issue_16_11(cluster: LocalCluster) -> None:
+    """`create` on networks is node root (a privileged hostPID agent on every selected
+    node, NICs of the creator's choosing): the chart aggregates only reading into the
+    default view/edit/admin roles, never writing into edit or admin."""
+    docs = chart.render(cluster, "metaroce", {})
+    aggregated = [
+        d
+        for d in docs
+        if d["kind"] == "ClusterRole"
+        and any(k.startswith(AGGREGATE) for k in (d["metadata"].get("labels") or {}))
+    ]
+    assert aggregated, "no ClusterRole is aggregated into the default roles"
+    for role in aggregated:
+        verbs = {v for rule in role["rules"] for v in rule["verbs"]}
+        assert verbs <= {"get", "list", "watch"}, (role["metadata"]["name"], verbs)
+    view = [r for r in aggregated if r["metadata"]["labels"].get(AGGREGATE + "view") == "true"]
+    (role,) = view
+    resources = {res for rule in role["rules"] for res in rule["resources"]}
+    assert {c.NETWORK_PLURAL, c.NODESTATE_PLURAL} <= resources
+
+
+def test_agent_image_allowlist_value_issue_16_11(cluster: LocalCluster) -> None:
+    digest = "registry.example.com/metaroce-agent@sha256:" + "c" * 64
+    docs = chart.render(cluster, "metaroce", {"agent": {"allowedImages": [digest]}})
+    args = chart.operator_args(docs)
+    assert f"--allowed-agent-image={digest}" in args
+    assert f"--agent-image={agent_image()}" in args  # always allowed: the pinned default
+    assert not any(
+        a.startswith("--allowed-agent-image")
+        for a in chart.operator_args(chart.render(cluster, "metaroce", {}))
+    )
+
+
 def test_one_namespace_is_privileged_and_holds_everything(cluster: LocalCluster) -> None:
     docs = chart.render(cluster, "metaroce", OPTIONAL_ON)
     namespaces = [d for d in docs if d["kind"] == "Namespace"]
@@ -445,12 +481,27 @@ def test_uninstall_leaves_only_the_crds(cluster: LocalCluster, release: Release)
                     '{"metadata":{"finalizers":null}}', check=False)  # fmt: skip
     cluster.kubectl("delete", c.NETWORK_PLURAL, name, "--ignore-not-found", "--timeout=60s")
     cluster.helm("uninstall", release.name, "-n", "default", "--wait", "--timeout=120s")
-    label = f"app.kubernetes.io/instance={release.name}"
-    left = cluster.kubectl(
-        "get", "clusterroles,clusterrolebindings,mutatingwebhookconfigurations,"
-        "validatingwebhookconfigurations", "-l", label, "-o", "name",
-    ).stdout.split()  # fmt: skip
-    assert left == []
+    kinds = (
+        "clusterroles,clusterrolebindings,mutatingwebhookconfigurations,"
+        "validatingwebhookconfigurations"
+    )
+
+    def leftovers() -> list[str]:
+        # The chart's own objects carry the release as their instance; the per-network
+        # children the operator made carry the network there, so they are found by
+        # their manager (selecting by the release alone could never find them).
+        found: list[str] = []
+        for label in (
+            f"app.kubernetes.io/instance={release.name}",
+            f"{c.MANAGED_BY_LABEL}={c.MANAGED_BY},{c.NETWORK_LABEL}={name}",
+        ):
+            out = cluster.kubectl("get", kinds, "-l", label, "-o", "name").stdout.split()
+            found += out
+        return found
+
+    # The agents' namespace goes with the release, and with it (garbage collection)
+    # what the network's agents had outside it.
+    wait_for("nothing but the CRDs to be left", lambda: not leftovers(), timeout=120)
     phase = cluster.kubectl(
         "get", "namespace", release.namespace, "-o", "jsonpath={.status.phase}", check=False
     )

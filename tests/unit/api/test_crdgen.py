@@ -296,3 +296,18 @@ class _Plain(BaseModel):
 
 def test_plain_pydantic_models_convert_too() -> None:
     assert crdgen.model_schema(_Plain)["properties"]["value"] == {"type": "string", "maxLength": 3}
+
+
+def test_exclusive_bounds_become_openapi_v3_0_flags() -> None:
+    """pydantic's gt/lt give JSON Schema's numeric exclusiveMinimum; a CRD wants
+    `minimum: x` plus `exclusiveMinimum: true` (the apiserver refused the number)."""
+    from metaroce_api.crdgen import structural
+
+    out = structural({"type": "number", "exclusiveMinimum": 0.0, "exclusiveMaximum": 1})
+    assert out == {
+        "type": "number",
+        "minimum": 0.0,
+        "exclusiveMinimum": True,
+        "maximum": 1,
+        "exclusiveMaximum": True,
+    }

@@ -36,8 +36,8 @@ def test_render_prints_the_children(capsys: pytest.CaptureFixture[str]) -> None:
     )
     docs = list(yaml.safe_load_all(capsys.readouterr().out))
     assert [d["kind"] for d in docs] == [
-        "ServiceAccount",
         "ClusterRole",
+        "ServiceAccount",
         "ClusterRoleBinding",
         "ConfigMap",
         "DaemonSet",
@@ -181,3 +181,13 @@ def test_default_agent_image_is_tagged_with_the_charts_app_version() -> None:
     chart = Path(__file__).resolve().parents[3] / "charts" / "metaroce" / "Chart.yaml"
     app_version = yaml.safe_load(chart.read_text())["appVersion"]
     assert f"ghcr.io/metaroce/metaroce-agent:{app_version}" == DEFAULT_AGENT_IMAGE
+
+
+def test_agent_image_allowlist_holds_the_default_image_and_the_flags_issue_16_11() -> None:
+    digest = "registry.example.com/agent@sha256:" + "b" * 64
+    settings = settings_from_args(
+        ["--agent-image=example.com/a:v1", f"--allowed-agent-image={digest}"]
+    )
+    assert settings.render.allowed_agent_images == ("example.com/a:v1", digest)
+    with pytest.raises(SettingsError, match="--allowed-agent-image"):
+        settings_from_args(["--allowed-agent-image=example.com/a:latest"])

@@ -8,7 +8,8 @@ import itertools
 import pytest
 from operator_testlib import network
 
-from metaroce_api import LabelSelector, NicSelector
+from metaroce_api import LabelSelector, MetaRoceNetwork, NicSelector, validate_network
+from metaroce_api.examples import minimal_network
 from metaroce_operator.conflicts import (
     created_order,
     find_conflicts,
@@ -132,3 +133,58 @@ def test_equal_creation_times_are_ordered_by_name() -> None:
     assert a < b
     # Not created yet (no timestamp): after every existing network.
     assert created_order({"metadata": {"name": "a"}}) > b
+
+
+def only_nics(name: str, nics: dict[str, list[str]]) -> MetaRoceNetwork:
+    """A network selecting NICs by `nics` alone (the example network's are replaced)."""
+    body = minimal_network(name)
+    body["metadata"].update({"generation": 1, "uid": f"uid-{name}"})
+    body["spec"]["nics"] = nics
+    return validate_network(body)
+
+
+def test_selectors_on_different_attributes_are_decided_from_the_reports_issue_16_3() -> None:
+    """drivers on one side, interfaceNames on the other: no static verdict is possible
+    (the webhook admits the pair saying so); the NICs the agents report decide, and with
+    nothing that matches both, nothing is held."""
+    nodes = {"n1": {}}
+    old = only_nics("old", {"drivers": ["mlx5_core"]})
+    new = only_nics("new", {"interfaceNames": ["eth9"]})
+    nets = {n.name: n for n in (old, new)}
+    order = {"old": ("2026-01-01T00:00:00Z", "old"), "new": ("2026-01-01T00:00:05Z", "new")}
+    # Before any report, and with old's agents reporting a NIC new cannot select.
+    assert holding_conflicts("new", nets, order, nodes, {}) == []
+    assert holding_conflicts("new", nets, order, nodes, {"old": {"n1": ["ens1f0"]}}) == []
+    assert find_conflicts([old, new], nodes, {})["new"] == []
+
+
+def test_a_reported_nic_that_both_select_is_a_conflict_issue_16_3() -> None:
+    from metaroce_operator.observed import ReportedNic
+
+    nodes = {"n1": {}}
+    old = only_nics("old", {"drivers": ["mlx5_core"]})
+    new = only_nics("new", {"interfaceNames": ["ens1*"]})
+    nets = {n.name: n for n in (old, new)}
+    order = {"old": ("2026-01-01T00:00:00Z", "old"), "new": ("2026-01-01T00:00:05Z", "new")}
+    reported = {"old": {"n1": [ReportedNic("ens1f0", driver="mlx5_core")]}}
+    (held,) = holding_conflicts("new", nets, order, nodes, {}, nics=reported)
+    assert held.other == "old" and held.nodes == ("n1",) and "ens1f0" in held.message()
+    elsewhere = {"old": {"n1": [ReportedNic("ens2f0", driver="mlx5_core")]}}
+    assert holding_conflicts("new", nets, order, nodes, {}, nics=elsewhere) == []
+
+
+def test_two_networks_advertising_one_resource_conflict_issue_16_10() -> None:
+    """The webhook refuses a second network with the same attachment.resourceName, but
+    two writes can race: the leader must notice, or a pod asking for the resource gets
+    either network's NICs (two device plugins advertise it)."""
+    nodes = {"n1": {"pool": "a"}, "n2": {"pool": "b"}}
+    old = only_nics("old", {"interfaceNames": ["eth1"]})
+    body = minimal_network("new")
+    body["metadata"].update({"generation": 1, "uid": "uid-new"})
+    body["spec"]["nics"] = {"interfaceNames": ["eth2"]}
+    body["spec"]["attachment"] = {"resourceName": old.resource_name}
+    new = validate_network(body)
+    order = {"old": ("2026-01-01T00:00:00Z", "old"), "new": ("2026-01-01T00:00:05Z", "new")}
+    (held,) = holding_conflicts("new", {"old": old, "new": new}, order, nodes, {})
+    assert held.other == "old" and old.resource_name in held.message()
+    assert "resourceName" in held.message()

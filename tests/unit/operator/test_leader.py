@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 import pytest
 
 from metaroce_operator.kube import Credentials, Kube, NotLeader
-from metaroce_operator.leader import LeaderElector, Record, may_take, next_spec
+from metaroce_operator.leader import Record, may_take, next_spec
 
 NOW = datetime(2026, 3, 1, 12, 0, 0, 123456, tzinfo=UTC)
 
@@ -37,27 +37,6 @@ def test_next_spec_counts_transitions_and_keeps_acquire_time_on_renewal() -> Non
     assert renewed["leaseTransitions"] == 3
     assert renewed["acquireTime"] == "2026-01-01T00:00:00.000000Z"
     assert next_spec(None, "me", 15, NOW)["leaseTransitions"] == 0
-
-
-def test_is_leader_turns_false_at_the_renew_deadline() -> None:
-    now = [1000.0]
-    elector = LeaderElector(
-        Kube(Credentials("https://127.0.0.1:1")),
-        namespace="ns",
-        name="lease",
-        identity="me",
-        lease_duration=15,
-        renew_deadline=10,
-        retry_period=2,
-        clock=lambda: now[0],
-    )
-    assert not elector.is_leader()
-    elector._leading = True
-    elector._last_renew = now[0]
-    now[0] += 9.9
-    assert elector.is_leader()
-    now[0] += 0.2
-    assert not elector.is_leader()
 
 
 def test_gated_client_refuses_writes_without_the_lease() -> None:

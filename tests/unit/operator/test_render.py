@@ -27,8 +27,8 @@ def pod_spec(objs: list[dict[str, Any]]) -> dict[str, Any]:
 def test_children_in_apply_order_with_owner_and_labels(settings: RenderSettings) -> None:
     objs = render_network(network("fabric"), settings)
     assert [o["kind"] for o in objs] == [
-        "ServiceAccount",
         "ClusterRole",
+        "ServiceAccount",
         "ClusterRoleBinding",
         "ConfigMap",
         "DaemonSet",
@@ -49,6 +49,32 @@ def test_children_in_apply_order_with_owner_and_labels(settings: RenderSettings)
         }
         namespaced = obj["kind"] not in ("ClusterRole", "ClusterRoleBinding")
         assert (meta.get("namespace") == "metaroce-system") is namespaced
+
+
+def test_cleanup_networks_children_are_owned_by_their_clusterrole(
+    settings: RenderSettings,
+) -> None:
+    """Not the network's dependents, so foreground deletion of the network cannot take the
+    agents before they reverted; the ClusterRole (the anchor) is owned by the namespace."""
+    net = network("tidy", cleanupOnDelete=True)
+    first = render_network(net, settings)
+    assert all("ownerReferences" not in o["metadata"] for o in first)
+    objs = render_network(net, settings, anchor_uid="role-uid", namespace_uid="ns-uid")
+    role, *rest = objs
+    # The namespace owns the anchor: uninstalling the chart leaves nothing behind.
+    assert role["kind"] == "ClusterRole"
+    assert role["metadata"]["ownerReferences"] == [
+        {"apiVersion": "v1", "kind": "Namespace", "name": "metaroce-system", "uid": "ns-uid"}
+    ]
+    for obj in rest:
+        assert obj["metadata"]["ownerReferences"] == [
+            {
+                "apiVersion": "rbac.authorization.k8s.io/v1",
+                "kind": "ClusterRole",
+                "name": "metaroce-agent-tidy",
+                "uid": "role-uid",
+            }
+        ]
 
 
 def test_rendering_is_deterministic(settings: RenderSettings) -> None:

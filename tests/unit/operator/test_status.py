@@ -266,3 +266,21 @@ def test_rollout_settled_counts_final_answers_for_the_current_config() -> None:
     assert not rollout_settled(reports, 1, 3, frozenset({"a", "b"}))
     assert not rollout_settled(reports, 1, 4, None)
     assert not rollout_settled(reports, None, 3, None)
+
+
+def test_ready_threshold_from_the_spec_issue_16_10() -> None:
+    """One failed node out of any number made Ready False; spec.health.readyFraction
+    sets how many must be healthy (default 1.0: every node, as before)."""
+    bad = report("b", phase="Failed", error="apply pfc: EOPNOTSUPP")
+    nodes = [report("a"), bad, report("c")]
+    s = compute_status(observed(nodes), None, T0)
+    assert cond(s, c.CONDITION_READY) == ("False", c.REASON_NODES_FAILED)  # the default
+    lenient = network(health={"readyFraction": 0.6})
+    s = compute_status(observed(nodes, net=lenient), None, T0)
+    assert cond(s, c.CONDITION_READY) == ("True", c.REASON_RECONCILED)
+    ready = next(x for x in s.conditions or [] if x.type == c.CONDITION_READY)
+    assert "2 of 3" in ready.message and "readyFraction" in ready.message
+    assert cond(s, c.CONDITION_DEGRADED) == ("True", c.REASON_NODES_FAILED)  # still said
+    strict = network(health={"readyFraction": 0.9})
+    s = compute_status(observed(nodes, net=strict), None, T0)
+    assert cond(s, c.CONDITION_READY)[0] == "False"

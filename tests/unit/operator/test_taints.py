@@ -72,3 +72,18 @@ def test_taint_list_edit_keeps_foreign_taints() -> None:
         {"key": "gpu", "effect": "NoSchedule"}
     ]
     assert _taints_with({"spec": {"taints": added}}, "other", False) == added
+
+
+def test_taints_of_networks_that_no_longer_exist_are_orphans() -> None:
+    from metaroce_operator.taints import orphaned_taints
+
+    all_nodes = nodes({"n01": "gone", "n02": "live", "n03": "gone"})
+    assert orphaned_taints(all_nodes, {"live"}) == {"n01": "gone", "n03": "gone"}
+    assert orphaned_taints(all_nodes, {"live", "gone"}) == {}
+
+
+def test_a_deleted_network_s_taint_does_not_count_toward_another_s_cap() -> None:
+    all_nodes = nodes({"n01": "gone"}, count=10)
+    # cap = 10% of 10 = 1: the dead network's taint must not take the only slot
+    plan = plan_taints("net", "taint", 0.1, all_nodes, {"n05"}, all_nodes, live={"net"})
+    assert plan.add == ("n05",) and not plan.held_back

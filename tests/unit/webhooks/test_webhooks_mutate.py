@@ -111,15 +111,67 @@ def test_request_without_limit_gets_the_required_equal_limit() -> None:
     assert out["spec"]["containers"][0]["resources"]["limits"] == {"metaroce.io/backend": "2"}
 
 
-def test_resource_in_another_container_is_left_alone() -> None:
+def test_the_container_that_holds_the_resource_gets_ipc_lock_and_the_nccl_env() -> None:
+    # A sidecar put first (service meshes prepend theirs): the training container asks for
+    # the device, so it, not containers[0], needs IPC_LOCK and the NCCL settings.
     p = pod(
         containers=[
             {"name": "sidecar"},
             {"name": "main", "resources": {"limits": {"metaroce.io/backend": "1"}}},
         ]
     )
+    out, decision = mutated(p)
+    sidecar, main = out["spec"]["containers"]
+    assert sidecar == {"name": "sidecar"}, "nothing may be injected into the sidecar"
+    assert main["resources"] == {"limits": {"metaroce.io/backend": "1"}}
+    assert main["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
+    assert env_of(out, 1)["NCCL_IB_TC"] == "104"
+    assert decision.injected["container"] == "main"
+
+
+def test_an_init_container_that_holds_the_resource_is_considered() -> None:
+    p = pod(
+        containers=[{"name": "main"}],
+        annotations={},
+    )
+    p["spec"]["initContainers"] = [
+        {
+            "name": "warmup",
+            "restartPolicy": "Always",
+            "resources": {"requests": {"metaroce.io/backend": "1"}},
+        }
+    ]
+    out, decision = mutated(p)
+    init = out["spec"]["initContainers"][0]
+    assert init["resources"]["limits"] == {"metaroce.io/backend": "1"}
+    assert init["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
+    assert {e["name"] for e in init["env"]} >= {"NCCL_IB_TC", "NCCL_IB_TIMEOUT"}
+    # No second device for the main container: the pod asked for one already.
+    assert out["spec"]["containers"][0] == {"name": "main"}
+    assert decision.injected["container"] == "warmup"
+
+
+def test_each_network_s_settings_go_to_the_container_holding_its_resource() -> None:
+    p = pod(
+        "backend,frontend",
+        containers=[
+            {"name": "a", "resources": {"limits": {"example.com/fe": "1"}}},
+            {"name": "b", "resources": {"limits": {"metaroce.io/backend": "1"}}},
+        ],
+    )
     out, _ = mutated(p)
-    assert "resources" not in out["spec"]["containers"][0]
+    assert env_of(out, 0)["NCCL_IB_TC"] == str(46 << 2)  # frontend's DSCP
+    assert env_of(out, 1)["NCCL_IB_TC"] == "104"  # backend's
+    for c in out["spec"]["containers"]:
+        assert c["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
+
+
+def test_the_named_container_can_be_an_init_container() -> None:
+    p = pod(annotations={"metaroce.io/container": "setup"}, containers=[{"name": "main"}])
+    p["spec"]["initContainers"] = [{"name": "setup", "restartPolicy": "Always"}]
+    out, _ = mutated(p)
+    assert out["spec"]["initContainers"][0]["resources"]["limits"] == {"metaroce.io/backend": "1"}
+    assert out["spec"]["containers"][0] == {"name": "main"}
 
 
 def test_container_annotation_picks_the_container() -> None:
@@ -158,6 +210,16 @@ def test_partly_ready_network_does_not_block() -> None:
     mutated(pod("partial"))
 
 
+def test_node_health_is_not_admission_s_business() -> None:
+    # Every agent-config rollout drops the healthy count to 0 until the agents report
+    # again; the scheduler (advertised resources, taints) keeps pods off bad nodes, so a
+    # pod for an existing network with no healthy node right now is still admitted.
+    out, _ = mutated(pod("cold"))
+    assert out["spec"]["containers"][0]["resources"]["limits"] == {"metaroce.io/cold": "1"}
+    never_reported = views(view("fresh", healthy=None))
+    mutated(pod("fresh"), never_reported)
+
+
 def test_existing_annotations_and_envfrom() -> None:
     p = pod(
         annotations={"team": "ml"},
@@ -194,7 +256,6 @@ def test_unannotated_pod_is_untouched() -> None:
                 "cold (no ready node)",
             ],
         ),
-        ("cold", NS, {}, ["network 'cold' has no ready node", "0 of 3", "backend"]),
         ("broken", NS, {}, ["network 'broken' cannot be read", "unknown field"]),
         ("Back_end", NS, {}, ["'Back_end' is not a network name", "metaroce.io/networks: backend"]),
         (" , ", NS, {}, ["names no network"]),

@@ -97,6 +97,13 @@ def post(conn: http.client.HTTPSConnection, path: str, body: dict[str, Any]) -> 
     return out["response"]  # type: ignore[no-any-return]
 
 
+def post_raw(conn: http.client.HTTPSConnection, path: str, body: dict[str, Any]) -> tuple[int, str]:
+    """The HTTP status and body of one POST (for answers that are not AdmissionReviews)."""
+    conn.request("POST", path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    return resp.status, resp.read().decode()
+
+
 def test_mutate_answers_a_jsonpatch_over_keepalive(harness: Harness) -> None:
     conn = harness.connect()
     for _ in range(3):  # one connection, several reviews
@@ -141,9 +148,11 @@ def test_health_and_unsynced_cache(tmp_path: Path) -> None:
         conn.request("GET", "/healthz")
         resp = conn.getresponse()
         assert resp.status == 503 and resp.read() == b"networks not loaded"
-        answer = post(conn, "/mutate-pod", review(pod("backend")))
-        assert answer["allowed"] is False and answer["status"]["code"] == 503
-        assert "has not loaded the MetaRoceNetworks yet" in answer["status"]["message"]
+        # Not an AdmissionReview that says allowed: false (the apiserver would honour that
+        # whatever the failurePolicy) but an HTTP error, so that the policy decides.
+        status, text = post_raw(conn, "/mutate-pod", review(pod("backend")))
+        assert status == 503, text
+        assert "has not loaded the MetaRoceNetworks yet" in text
         h.synced.set()
         conn.request("GET", "/healthz")
         resp = conn.getresponse()
@@ -201,7 +210,7 @@ def test_mismatched_files_keep_the_old_certificate(harness: Harness) -> None:
     assert post(harness.connect(), "/mutate-pod", review(pod("backend")))["allowed"]
 
 
-def test_internal_errors_fail_closed_with_a_message(tmp_path: Path) -> None:
+def test_internal_errors_are_http_errors_so_the_failure_policy_decides(tmp_path: Path) -> None:
     h = Harness(tmp_path)
 
     def broken(_: str) -> dict[str, str]:
@@ -209,9 +218,13 @@ def test_internal_errors_fail_closed_with_a_message(tmp_path: Path) -> None:
 
     h.handler.namespace_labels = broken
     try:
-        answer = post(h.connect(), "/mutate-pod", review(pod("backend")))
-        assert answer["allowed"] is False and answer["status"]["code"] == 500
-        assert "RuntimeError: boom" in answer["status"]["message"]
+        conn = h.connect()
+        for path, obj in (("/mutate-pod", pod("backend")), ("/validate-network", {"x": 1})):
+            if path == "/validate-network":
+                h.handler.node_labels = lambda: broken("")
+            status, text = post_raw(conn, path, review(obj))
+            assert status == 500, text
+            assert "RuntimeError: boom" in text
     finally:
         h.server.stop()
 

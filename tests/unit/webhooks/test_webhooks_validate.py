@@ -262,3 +262,84 @@ def test_nics_chosen_by_other_attributes_only_warn() -> None:
     problems, warnings = check(obj)
     assert problems == []
     assert any("'storage' selects NICs by other attributes" in w for w in warnings)
+
+
+def _update_review(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    return {"operation": "UPDATE", "object": new, "oldObject": old}
+
+
+def test_conflicting_networks_stay_editable_issue_16_9() -> None:
+    """Two networks that conflict already (a race at admission, or nodes relabelled
+    since): an edit that leaves the conflict as it was, or makes it smaller, is admitted
+    with a warning; only a problem the edit brings is refused."""
+    import threading
+
+    from webhook_testlib import views
+
+    from metaroce_operator.webhooks.mutate import NetworkView
+    from metaroce_operator.webhooks.server import AdmissionHandler
+
+    synced = threading.Event()
+    synced.set()
+    cached = views(*(NetworkView(n.name, n) for n in EXISTING))
+    handler = AdmissionHandler(lambda: cached, synced, lambda _: {}, lambda: NODES)
+    old = network_obj(
+        "late", nics={"interfaceNames": ["ens1f*"]}, nodeSelector={"matchLabels": {"pool": "a"}}
+    )
+    # Another field (the log level) while the conflict with 'backend' stands.
+    edited = network_obj(
+        "late",
+        nics={"interfaceNames": ["ens1f*"]},
+        nodeSelector={"matchLabels": {"pool": "a"}},
+        agent={"logLevel": "debug"},
+    )
+    decision = handler.validate(_update_review(old, edited))
+    assert decision.__class__.__name__ == "Allowed", decision
+    assert any("network 'backend'" in w for w in decision.warnings), decision.warnings
+    # A step towards the fix: one node less in the conflict.
+    narrower = network_obj(
+        "late", nics={"interfaceNames": ["ens1f*"]}, nodeSelector={"matchLabels": {"gpu": "h100"}}
+    )
+    assert handler.validate(_update_review(old, narrower)).__class__.__name__ == "Allowed"
+    # A new problem is still refused: taking storage's resource name.
+    worse = network_obj(
+        "late",
+        nics={"interfaceNames": ["ens1f*"]},
+        nodeSelector={"matchLabels": {"pool": "a"}},
+        attachment={"resourceName": "example.com/stor"},
+    )
+    refused = handler.validate(_update_review(old, worse))
+    assert refused.__class__.__name__ == "Denied"
+    assert "spec.attachment.resourceName" in refused.message  # type: ignore[union-attr]
+    assert "network 'backend'" not in refused.message  # type: ignore[union-attr]
+
+
+PINNED = "ghcr.io/metaroce/metaroce-agent:0.1.0"
+BY_DIGEST = "registry.example.com/agent@sha256:" + "a" * 64
+
+
+@pytest.mark.parametrize(
+    ("image", "refused"),
+    [
+        (None, False),  # the operator's own (pinned) image
+        (PINNED, False),
+        (BY_DIGEST, False),
+        ("registry.example.com/agent:v2", True),  # the right repository is not enough
+        ("evil.example.com/root:1", True),
+    ],
+)
+def test_agent_images_come_from_the_allowlist_issue_16_11(image: str | None, refused: bool) -> None:
+    """spec.agent.image runs privileged with the host's PID and network namespaces and
+    read-write /dev and /sys: only images the operator was given may run there."""
+    spec: dict[str, Any] = {"nics": {"interfaceNames": ["eth7"]}}
+    if image:
+        spec["agent"] = {"image": image}
+    verdict = validate_network_change(
+        network_obj("new", **spec), EXISTING, NODES, allowed_agent_images=(PINNED, BY_DIGEST)
+    )
+    assert (not verdict.allowed) is refused, verdict.problems
+    if refused:
+        (problem,) = verdict.problems
+        assert problem.field == "spec.agent.image"
+        assert repr(image) in problem.message and PINNED in problem.message
+        assert "--allowed-agent-image" in problem.message and "allowedImages" in problem.message
