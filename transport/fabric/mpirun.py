@@ -70,6 +70,7 @@ def provider_env(provider: str, provider_path: str | None) -> dict[str, str]:
         if not lib.is_file():
             raise ValueError(f"provider_path={provider_path!r}: {lib} does not exist (build it)")
         env["FI_PROVIDER_PATH"] = str(Path(provider_path).resolve())
+        env["FI_METAROCE_IFACE"] = "data"  # bind the data address, not the control link's
     return env
 
 

@@ -1,0 +1,96 @@
+"""The metaroce provider on the namespace fabric with clients we did not write: Debian's
+fi_pingpong (data checked) and Open MPI with mpi4py across the namespaces, lossless, at 1%
+and 10% random loss, and with a link that drops everything mid-transfer."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import clients
+import fabric
+import mpirun
+import pytest
+from test_clients import CHECKS, data_bytes
+
+pytestmark = pytest.mark.transport
+
+RELEASE = (
+    Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    / "metaroce/transport/target/release"
+)
+
+
+@pytest.fixture(scope="module")
+def provider_path() -> str:
+    lib = RELEASE / "libmetaroce-fi.so"
+    assert lib.is_file(), f"{lib} is missing: run bash hack/build-transport.sh (setup does)"
+    return str(RELEASE)
+
+
+@pytest.mark.parametrize("loss", [0, 100], ids=["lossless", "1pct"])
+@pytest.mark.parametrize("size", [4096, 1 << 20], ids=["4KiB", "1MiB"])
+def test_fi_pingpong_over_metaroce(
+    clean: fabric.MultipathFabric, provider_path: str, size: int, loss: int
+) -> None:
+    if loss:
+        clean.set_impairments([fabric.Impairment("drop", loss)])
+    before = clean.counters()
+    res = clients.run_pingpong(
+        clean, "metaroce", size, iters=50, timeout=120, provider_path=provider_path
+    )
+    after = clean.counters()
+    assert res.ok, res.output
+    assert res.bytes_moved == 2 * 50 * size
+    moved = data_bytes(after, "b", clean.data_links()) - data_bytes(before, "b", clean.data_links())
+    assert moved >= 50 * size, "the payload crossed the data links"
+    used = [
+        d
+        for d in clean.data_links()
+        if data_bytes(after, "b", [d]) - data_bytes(before, "b", [d]) > 50 * 1000
+    ]
+    if size >= 1 << 20:
+        assert len(used) >= 3, f"one connection sprays over the links: only {used} carried data"
+
+
+@pytest.mark.parametrize("loss", [0, 100, 1000], ids=["lossless", "1pct", "10pct"])
+def test_mpi_semantics_over_metaroce(
+    clean: fabric.MultipathFabric, provider_path: str, loss: int
+) -> None:
+    if loss:
+        clean.set_impairments([fabric.Impairment("drop", loss)])
+    res = mpirun.run_mpi(
+        clean,
+        "metaroce",
+        [mpirun.MPI_PYTHON, CHECKS, "semantics"],
+        timeout=240,
+        provider_path=provider_path,
+    )
+    assert res.returncode == 0 and "ALL OK" in res.stdout, res.stdout + res.stderr
+    for check in (
+        "pickled",
+        "ANY_SOURCE",
+        "Cancel",
+        "ranks per namespace [2, 2]",
+        "8 MiB",
+        "Issend",
+    ):
+        assert check in res.stdout, f"{check} missing from:\n{res.stdout}"
+
+
+def test_a_link_that_drops_everything_mid_transfer(
+    clean: fabric.MultipathFabric, provider_path: str
+) -> None:
+    def cut() -> None:
+        time.sleep(1.0)
+        clean.set_impairments([fabric.Impairment("blackhole", link=1)])
+
+    t = threading.Thread(target=cut)
+    t.start()
+    res = clients.run_pingpong(
+        clean, "metaroce", 1 << 20, iters=200, timeout=180, provider_path=provider_path
+    )
+    t.join()
+    assert res.ok, res.output
