@@ -190,6 +190,7 @@ pub struct Connection {
     ack_pending: bool,
     ack_urgent: bool,
     ack_copies: u8,
+    ack_final: bool,
     ack_unacked: u32,
     ack_deadline: Micros,
     ack_rr: usize,
@@ -249,6 +250,7 @@ impl Connection {
             ack_pending: false,
             ack_urgent: false,
             ack_copies: 0,
+            ack_final: false,
             ack_unacked: 0,
             ack_deadline: Micros::MAX,
             ack_rr: 0,
@@ -880,6 +882,18 @@ impl Connection {
         self.poll_data(now, buf, out)
     }
 
+    /// Acknowledge everything received, once on every path (before a close:
+    /// one copy could ride a dead link, and a peer that gets CLOSE before our
+    /// ACK fails its own last sends).
+    pub fn ack_on_every_path(&mut self) {
+        if self.state == ConnState::Established && self.rwin.iter().any(|w| w.is_some()) {
+            self.ack_pending = true;
+            self.ack_deadline = 0;
+            self.ack_copies = self.paths.len().saturating_sub(1).min(255) as u8;
+            self.ack_final = true;
+        }
+    }
+
     /// Force an ACK now if one is pending (the driver calls this after a batch).
     pub fn flush_ack(&mut self) {
         if self.ack_pending {
@@ -888,8 +902,9 @@ impl Connection {
     }
 
     fn write_ack(&mut self, now: Micros, buf: &mut [u8], rate_hint_mbps: u32, out: &mut Shared) -> (usize, u8, bool) {
-        let first_copy = self.ack_copies == 0;
-        if first_copy && self.ack_urgent {
+        let first_copy = self.ack_copies == 0 || self.ack_final;
+        self.ack_final = false;
+        if first_copy && self.ack_urgent && self.ack_copies == 0 {
             self.ack_copies = 1; // a second copy on another path: an ACK can ride a dead link
         } else if !first_copy {
             self.ack_copies -= 1;

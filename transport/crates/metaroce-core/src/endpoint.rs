@@ -678,6 +678,13 @@ impl Endpoint {
         self.conns.values().any(|c| c.has_outstanding() && c.state == ConnState::Established)
     }
 
+    /// Before closing: acknowledge everything received, on every path.
+    pub fn final_acks(&mut self) {
+        for c in self.conns.values_mut() {
+            c.ack_on_every_path();
+        }
+    }
+
     /// Stop taking sends; tell every peer we are going (after the linger).
     pub fn close(&mut self) {
         self.closing = true;

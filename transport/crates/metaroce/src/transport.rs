@@ -23,6 +23,8 @@ const TX_BUDGET: usize = 1024;
 const RX_BATCHES: usize = 8;
 /// How long close() waits for unacknowledged data.
 const LINGER: Duration = Duration::from_secs(2);
+/// Between the final ACKs and CLOSE.
+const CLOSE_GRACE: Duration = Duration::from_millis(20);
 
 /// Counters of the I/O layer itself.
 #[derive(Clone, Copy, Debug, Default)]
@@ -472,6 +474,16 @@ impl Transport {
             if !outstanding {
                 break;
             }
+            if self.thread.is_none() {
+                let _ = self.progress();
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // Our last ACKs go out on every path and get a moment to land before CLOSE:
+        // a peer that sees CLOSE first fails the sends it is still waiting on.
+        let _ = self.with(|st, _| st.ep.final_acks());
+        let grace = Instant::now() + CLOSE_GRACE;
+        while Instant::now() < grace {
             if self.thread.is_none() {
                 let _ = self.progress();
             }
