@@ -755,7 +755,8 @@ impl Connection {
             if p.state == PathState::Failed && now >= p.next_probe_at && p.in_flight.is_empty() {
                 p.next_probe_at = now + self.params.probe_interval;
                 self.probes.push_back((Frame::Ping, i as u8));
-                if now.saturating_sub(p.failed_since) >= self.params.rotate_after && !self.rotate_requests.contains(&(i as u8)) {
+                // Path 0's socket is the endpoint's address (where peers send): never rotated.
+                if i != 0 && now.saturating_sub(p.failed_since) >= self.params.rotate_after && !self.rotate_requests.contains(&(i as u8)) {
                     self.rotate_requests.push(i as u8);
                 }
             }
