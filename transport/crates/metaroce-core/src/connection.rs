@@ -330,7 +330,7 @@ impl Connection {
         }
     }
 
-    fn on_frame_acked(&mut self, now: Micros, f: Frame, path: usize, out: &mut Shared) {
+    fn on_frame_acked(&mut self, f: Frame, path: usize, out: &mut Shared) {
         match f {
             Frame::Seg { msg, seg } => {
                 let done = match self.smsgs.get_mut(&msg) {
@@ -360,7 +360,6 @@ impl Connection {
                 }
             }
         }
-        let _ = now;
     }
 
     fn complete_send(&mut self, msg: u32, err: Option<Error>, out: &mut Shared) {
@@ -402,7 +401,7 @@ impl Connection {
                 self.last_progress = now;
             }
             for f in outcome.acked {
-                self.on_frame_acked(now, f, i, out);
+                self.on_frame_acked(f, i, out);
             }
             if self.rnr_stalled {
                 self.last_progress = now; // the receiver answers: it is not ready, not gone
@@ -878,7 +877,7 @@ impl Connection {
             return None;
         }
         if self.ack_pending && (self.ack_urgent || self.ack_unacked >= ACK_EVERY || now >= self.ack_deadline) || self.ack_copies > 0 {
-            return Some(self.write_ack(now, buf, rate_hint_mbps, out));
+            return Some(self.write_ack(buf, rate_hint_mbps, out));
         }
         self.poll_data(now, buf, out)
     }
@@ -902,7 +901,7 @@ impl Connection {
         }
     }
 
-    fn write_ack(&mut self, now: Micros, buf: &mut [u8], rate_hint_mbps: u32, out: &mut Shared) -> (usize, u8, bool) {
+    fn write_ack(&mut self, buf: &mut [u8], rate_hint_mbps: u32, out: &mut Shared) -> (usize, u8, bool) {
         let first_copy = self.ack_copies == 0 || self.ack_final;
         self.ack_final = false;
         if first_copy && self.ack_urgent && self.ack_copies == 0 {
@@ -939,7 +938,6 @@ impl Connection {
         self.ack_rr += 1;
         let h = Header { ptype: PacketType::Ack, flags: 0, path, epoch: self.paths[path as usize].epoch, dst_token: self.peer_token };
         out.counters.acks_sent += 1;
-        let _ = now;
         (wire::write_ack(buf, &h, &ack), path, false)
     }
 

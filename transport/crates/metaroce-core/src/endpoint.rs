@@ -8,7 +8,7 @@ use crate::buf::{RecvBuf, SendBuf};
 use crate::connection::{ConnParams, ConnState, Connection, Shared};
 use crate::cookie::CookieKey;
 use crate::counters::Counters;
-use crate::event::{Completion, Error, OpKind, PeekInfo, PeerId, ANY_PEER};
+use crate::event::{Completion, Error, OpKind, PeekInfo, PeerId};
 use crate::matching::{Matcher, PostedRecv, Unexpected};
 use crate::path::{PathState, PathTimers};
 use crate::time::{Micros, MS, SEC};
@@ -729,9 +729,5 @@ impl Endpoint {
     /// Memory held for connections: pools, tracking (the bound is stated in PROTOCOL.md).
     pub fn memory_bytes(&self) -> u64 {
         self.conns.values().map(|c| c.memory_bytes()).sum()
-    }
-
-    pub fn any_peer() -> PeerId {
-        ANY_PEER
     }
 }
