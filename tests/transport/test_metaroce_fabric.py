@@ -4,6 +4,7 @@ and 10% random loss, and with a link that drops everything mid-transfer."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -78,6 +79,20 @@ def test_mpi_semantics_over_metaroce(
         "Issend",
     ):
         assert check in res.stdout, f"{check} missing from:\n{res.stdout}"
+
+
+def test_mpi_allreduce_rows_at_1pct_loss_over_metaroce(
+    clean: fabric.MultipathFabric, provider_path: str
+) -> None:
+    # The allreduce timing mode the loss benchmark uses, data checked, on the arm under test.
+    clean.set_impairments([fabric.Impairment("drop", 100)])
+    sizes = "1024,65536,1048576,4194304"
+    argv = [mpirun.MPI_PYTHON, CHECKS, "allreduce", sizes, "0.5"]
+    res = mpirun.run_mpi(clean, "metaroce", argv, timeout=120, provider_path=provider_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    assert [r["size"] for r in rows] == [int(s) for s in sizes.split(",")]
+    assert all(r["correct"] and r["iters"] >= 5 and r["p99_s"] >= r["median_s"] for r in rows)
 
 
 def test_a_link_that_drops_everything_mid_transfer(

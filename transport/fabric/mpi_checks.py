@@ -228,13 +228,17 @@ def allreduce(sizes: list[int], budget_s: float) -> None:
         good = out == want
         times: list[float] = []
         start = time.monotonic()
-        while len(times) < 1000 and (len(times) < 5 or time.monotonic() - start < budget_s):
+        # Only rank 0's clock decides when to stop (the bcast): a loop condition on each
+        # rank's own clock let a rank leave while the others went on, a deadlock that
+        # looked like a hung transport.
+        while True:
             comm.Barrier()
             t0 = MPI.Wtime()
             comm.Allreduce(src, out, op=MPI.SUM)
             dt = comm.allreduce(MPI.Wtime() - t0, op=MPI.MAX)
             times.append(dt)
-            stop = comm.bcast(time.monotonic() - start >= budget_s and len(times) >= 5)
+            elapsed = time.monotonic() - start
+            stop = comm.bcast(len(times) >= 1000 or (elapsed >= budget_s and len(times) >= 5))
             if stop:
                 break
         good = good and out == want
