@@ -389,14 +389,24 @@ impl Connection {
             self.rnr_stalled = false;
         }
         self.rate_cap = ack.rate_hint_mbps as f64 / 8.0; // Mbit/s -> bytes/us
+                                                         // The shared delay, from the paths that carry their full share: a path steered
+                                                         // off for CE is kept short of queue on purpose and is no reference.
+        let current = || self.paths.iter().filter(|p| p.delay_is_current(now));
+        let common = current()
+            .filter(|p| p.steer_weight() >= 1.0)
+            .map(|p| p.recent_rtt.get())
+            .min()
+            .or_else(|| current().map(|p| p.recent_rtt.get()).min())
+            .unwrap_or(Micros::MAX);
         for e in &ack.entries {
             let i = e.path as usize;
             if i >= self.paths.len() || self.paths[i].epoch != e.epoch {
                 continue;
             }
-            let ce_before = self.paths[i].ce_echoed;
-            let outcome = self.paths[i].on_ack(now, e, 0);
+            let (ce_before, spurious_before) = (self.paths[i].ce_echoed, self.paths[i].spurious_rtos);
+            let outcome = self.paths[i].on_ack(now, e, 0, common);
             out.counters.ce_echoed += self.paths[i].ce_echoed - ce_before;
+            out.counters.spurious_rtos += self.paths[i].spurious_rtos - spurious_before;
             if !outcome.acked.is_empty() {
                 self.last_progress = now;
             }
@@ -721,13 +731,10 @@ impl Connection {
         for i in 0..self.paths.len() {
             let p = &mut self.paths[i];
             if let Some(oldest) = p.oldest_sent_at() {
-                let deadline = oldest.max(p.last_ack_at) + p.rto(&timers);
+                let deadline = oldest.max(p.last_ack_at) + p.rto(&timers, now);
                 if now >= deadline {
                     out.counters.rtos += 1;
-                    p.cc.on_timeout(now);
-                    p.backoff += 1;
-                    p.suspect_until = now + 8 * p.rtt.srtt.max(100);
-                    let frames = p.take_all_in_flight();
+                    let frames = p.on_timeout(now);
                     if p.backoff >= FAIL_AFTER_RTOS && p.state == PathState::Active {
                         p.state = PathState::Failed;
                         p.failed_since = now;
@@ -742,7 +749,7 @@ impl Connection {
                     continue;
                 }
                 let p = &mut self.paths[i];
-                if p.tlp_armed && p.state == PathState::Active && now >= p.last_send_at + p.pto(&timers) {
+                if p.tlp_armed && p.state == PathState::Active && now >= p.last_send_at + p.pto(&timers, now) {
                     p.tlp_armed = false;
                     if let Some(last) = p.in_flight.back() {
                         out.counters.tlps += 1;
@@ -796,9 +803,9 @@ impl Connection {
         let timers = &self.params.timers;
         for p in &self.paths {
             if let Some(oldest) = p.oldest_sent_at() {
-                t = t.min(oldest.max(p.last_ack_at) + p.rto(timers));
+                t = t.min(oldest.max(p.last_ack_at) + p.rto(timers, now));
                 if p.tlp_armed && p.state == PathState::Active {
-                    t = t.min(p.last_send_at + p.pto(timers));
+                    t = t.min(p.last_send_at + p.pto(timers, now));
                 }
             }
             if p.state == PathState::Failed && p.in_flight.is_empty() {

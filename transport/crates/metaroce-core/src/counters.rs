@@ -22,6 +22,8 @@ pub struct Counters {
     /// CE marks the peers echoed back to this sender.
     pub ce_echoed: u64,
     pub rtos: u64,
+    /// Timeouts an ACK later showed premature (the window cut is undone).
+    pub spurious_rtos: u64,
     pub tlps: u64,
     pub path_failures: u64,
     pub path_readmissions: u64,

@@ -132,6 +132,9 @@ pub struct PathStats {
     pub cwnd: u64,
     pub srtt_us: u64,
     pub rttvar_us: u64,
+    /// Lowest RTT sample ever, and of the last millisecond or two (0: none yet).
+    pub min_rtt_us: u64,
+    pub recent_rtt_us: u64,
     pub inflight: u64,
     pub pkts_sent: u64,
     pub retransmits: u64,
@@ -717,6 +720,11 @@ impl Endpoint {
                 cwnd: crate::congestion::Controller::window(&p.cc),
                 srtt_us: p.rtt.srtt,
                 rttvar_us: p.rtt.rttvar,
+                min_rtt_us: if p.rtt.has_sample() { p.rtt.min } else { 0 },
+                recent_rtt_us: match p.recent_rtt.get() {
+                    Micros::MAX => 0,
+                    r => r,
+                },
                 inflight: p.inflight_bytes,
                 pkts_sent: p.pkts_sent,
                 retransmits: p.retransmits,

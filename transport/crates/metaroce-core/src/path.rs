@@ -3,9 +3,9 @@
 
 use std::collections::VecDeque;
 
-use crate::congestion::{aimd::Aimd, Controller};
+use crate::congestion::{aimd::Aimd, Controller, Delay};
 use crate::sack;
-use crate::time::{Micros, MS};
+use crate::time::{Micros, MS, SEC};
 use crate::wire::{AckEntry, SACK_BITS};
 
 /// What a packet carried, so a loss re-queues exactly that.
@@ -42,6 +42,10 @@ pub struct Rtt {
 }
 
 impl Rtt {
+    pub fn has_sample(&self) -> bool {
+        self.has_sample
+    }
+
     fn new(initial: Micros) -> Self {
         Self { srtt: initial, rttvar: initial / 2, min: Micros::MAX, has_sample: false }
     }
@@ -57,6 +61,50 @@ impl Rtt {
         self.rttvar = (3 * self.rttvar + err) / 4;
         self.srtt = (7 * self.srtt + sample) / 8;
     }
+}
+
+/// The lowest RTT sample of the last one to two buckets (a windowed minimum in
+/// two halves, so it forgets a sample after at most two bucket lengths).
+#[derive(Clone, Copy, Debug)]
+pub struct RecentMin {
+    bucket_start: Micros,
+    current: Micros,
+    previous: Micros,
+}
+
+/// RecentMin's bucket: long enough to hold a few samples of every busy path.
+pub const RECENT_MIN_BUCKET: Micros = MS;
+
+impl RecentMin {
+    fn new() -> Self {
+        Self { bucket_start: 0, current: Micros::MAX, previous: Micros::MAX }
+    }
+
+    fn update(&mut self, now: Micros, sample: Micros) {
+        if now >= self.bucket_start + 2 * RECENT_MIN_BUCKET {
+            self.previous = Micros::MAX;
+            self.current = Micros::MAX;
+            self.bucket_start = now;
+        } else if now >= self.bucket_start + RECENT_MIN_BUCKET {
+            self.previous = self.current;
+            self.current = Micros::MAX;
+            self.bucket_start = now;
+        }
+        self.current = self.current.min(sample);
+    }
+
+    pub fn get(&self) -> Micros {
+        self.current.min(self.previous)
+    }
+}
+
+/// The PSNs a timeout declared lost, [lo, hi), and the window before the cut.
+#[derive(Clone, Debug)]
+struct TimedOut {
+    lo: u32,
+    hi: u32,
+    oldest_sent_at: Micros,
+    cc_before: Aimd,
 }
 
 /// What an ACK entry did to a path.
@@ -82,6 +130,7 @@ pub struct Path {
     pub in_flight: VecDeque<SentPacket>,
     pub inflight_bytes: u64,
     pub rtt: Rtt,
+    pub recent_rtt: RecentMin,
     pub cc: Aimd,
     /// Consecutive timeouts without an ACK in between.
     pub backoff: u32,
@@ -102,6 +151,12 @@ pub struct Path {
     pub losses: u64,
     pub ce_echoed: u64,
     pub tlp_armed: bool,
+    /// What the last timeout gave up on, until an ACK shows whether it was spurious.
+    timed_out: Option<TimedOut>,
+    /// A floor under the RTO learned from spurious timeouts (see `rto`).
+    rto_floor: Micros,
+    rto_floor_at: Micros,
+    pub spurious_rtos: u64,
     /// Delivery rate, bytes per microsecond (EWMA of samples about an RTT long).
     pub rate_est: f64,
     rate_sample_start: Micros,
@@ -128,6 +183,7 @@ impl Path {
             in_flight: VecDeque::new(),
             inflight_bytes: 0,
             rtt: Rtt::new(initial_rtt),
+            recent_rtt: RecentMin::new(),
             cc: Aimd::new(mss, max_window).with_queue_target(queue_target),
             backoff: 0,
             last_ack_at: 0,
@@ -144,20 +200,36 @@ impl Path {
             losses: 0,
             ce_echoed: 0,
             tlp_armed: false,
+            timed_out: None,
+            rto_floor: 0,
+            rto_floor_at: 0,
+            spurious_rtos: 0,
             rate_est: 0.0,
             rate_sample_start: 0,
             rate_sample_bytes: 0,
         }
     }
 
-    pub fn rto(&self, t: &PathTimers) -> Micros {
-        let base = (self.rtt.srtt + 4 * self.rtt.rttvar).clamp(t.min_rto, t.max_rto);
+    /// srtt + 4 rttvar, at least `min_rto` and the floor spurious timeouts taught
+    /// (an RTT-tied floor: where the hosts stall for longer than the RTT varies, as
+    /// in emulated guests, rttvar alone under-estimates); the floor halves every
+    /// second without a new spurious timeout.
+    pub fn rto(&self, t: &PathTimers, now: Micros) -> Micros {
+        let floor = self.learned_floor(now).max(t.min_rto);
+        let base = (self.rtt.srtt + 4 * self.rtt.rttvar).clamp(floor.min(t.max_rto), t.max_rto);
         (base << self.backoff.min(10)).min(t.max_rto)
     }
 
-    /// Probe timeout for the tail-loss probe: about two RTTs.
-    pub fn pto(&self, t: &PathTimers) -> Micros {
-        (2 * self.rtt.srtt + MS / 4).clamp(t.min_rto / 4, t.max_rto)
+    /// Probe timeout for the tail-loss probe: about two RTTs, and at least half
+    /// the learned RTO floor (a probe into a host stall is a spurious resend too).
+    pub fn pto(&self, t: &PathTimers, now: Micros) -> Micros {
+        let floor = (t.min_rto / 4).max(self.learned_floor(now) / 2).min(t.max_rto);
+        (2 * self.rtt.srtt + MS / 4).clamp(floor, t.max_rto)
+    }
+
+    fn learned_floor(&self, now: Micros) -> Micros {
+        let halvings = (now.saturating_sub(self.rto_floor_at) / SEC).min(63);
+        self.rto_floor >> halvings
     }
 
     /// PSNs in flight must stay within the receiver's 256-bit SACK window.
@@ -224,7 +296,9 @@ impl Path {
     /// Apply one ACK entry for this path (same epoch). Packets the entry shows
     /// received are acked; any unacked packet below the highest received PSN is
     /// lost (a path is FIFO, so a gap is a loss, not reordering).
-    pub fn on_ack(&mut self, now: Micros, entry: &AckEntry, ack_delay: Micros) -> AckOutcome {
+    /// `common` is the lowest recent RTT of the connection's live paths (see `congestion::Delay`).
+    pub fn on_ack(&mut self, now: Micros, entry: &AckEntry, ack_delay: Micros, common: Micros) -> AckOutcome {
+        self.check_timeout(now, entry);
         let mut out = AckOutcome::default();
         let highest = sack::sacked(entry).last().unwrap_or(entry.cum.wrapping_sub(1));
         let is_received = |psn: u32| {
@@ -261,7 +335,10 @@ impl Path {
             self.rtt.update(sample);
             self.backoff = 0;
             self.last_ack_at = now;
-            self.cc.on_ack(now, out.acked_bytes, sample, self.rtt.min, self.rtt.srtt);
+            self.recent_rtt.update(now, sample);
+            let recent = self.recent_rtt.get();
+            let delay = Delay { rtt: sample, min_rtt: self.rtt.min, srtt: self.rtt.srtt, recent, common: common.min(recent) };
+            self.cc.on_ack(now, out.acked_bytes, delay);
             self.sample_rate(now, out.acked_bytes);
             self.tlp_armed = !self.in_flight.is_empty();
         }
@@ -303,6 +380,47 @@ impl Path {
         (1.0 - STEER_GAIN * self.cc.alpha()).clamp(STEER_MIN, 1.0)
     }
 
+    /// A retransmission timeout: the window to the minimum, everything in flight
+    /// declared lost (returned) and remembered, so that an ACK showing it arrived
+    /// after all undoes the cut and raises the RTO floor.
+    pub fn on_timeout(&mut self, now: Micros) -> Vec<Frame> {
+        if let Some(oldest) = self.in_flight.front() {
+            let cc_before = self.timed_out.take().map_or_else(|| self.cc.clone(), |t| t.cc_before);
+            self.timed_out = Some(TimedOut { lo: oldest.psn, hi: self.next_psn, oldest_sent_at: oldest.sent_at, cc_before });
+        }
+        self.cc.on_timeout(now);
+        self.backoff += 1;
+        self.suspect_until = now + 8 * self.rtt.srtt.max(100);
+        self.take_all_in_flight()
+    }
+
+    /// Whether `entry` shows a PSN the last timeout gave up on as received. The
+    /// sender's floor moves the receiver's cumulative point to `hi` once a packet
+    /// sent after the timeout arrives, so a cumulative point of exactly `hi` is
+    /// only proof when no later packet is SACKed (none of them had arrived).
+    fn timeout_was_spurious(t: &TimedOut, entry: &AckEntry) -> bool {
+        let cum_in = entry.cum.wrapping_sub(t.lo).wrapping_sub(1) < t.hi.wrapping_sub(t.lo);
+        let cum_at_hi_alone = entry.cum == t.hi && sack::sacked(entry).next().is_none();
+        let sacked_in = sack::sacked(entry).any(|psn| psn.wrapping_sub(t.lo) < t.hi.wrapping_sub(t.lo));
+        cum_in && entry.cum != t.hi || cum_at_hi_alone && t.hi != t.lo || sacked_in
+    }
+
+    fn check_timeout(&mut self, now: Micros, entry: &AckEntry) {
+        let Some(t) = &self.timed_out else { return };
+        if Self::timeout_was_spurious(t, entry) {
+            let t = self.timed_out.take().expect("checked");
+            self.spurious_rtos += 1;
+            // The ACK took this long: the next timeout waits a quarter more.
+            let took = now.saturating_sub(t.oldest_sent_at);
+            self.rto_floor = self.learned_floor(now).max(took + took / 4);
+            self.rto_floor_at = now;
+            self.cc = t.cc_before;
+            self.backoff = 0;
+        } else if entry.cum.wrapping_sub(t.hi) < 1 << 31 && entry.cum != t.hi {
+            self.timed_out = None; // past it, nothing of it shown: a real loss
+        }
+    }
+
     /// Everything in flight is declared lost (a timeout, a failed path).
     pub fn take_all_in_flight(&mut self) -> Vec<Frame> {
         self.inflight_bytes = 0;
@@ -319,6 +437,12 @@ impl Path {
         self.backoff = 0;
         self.cc.reset();
         frames
+    }
+
+    /// Whether this path's delay figures speak for the present: active and acked
+    /// within the last two RecentMin buckets.
+    pub fn delay_is_current(&self, now: Micros) -> bool {
+        self.state == PathState::Active && self.rtt.has_sample() && now.saturating_sub(self.last_ack_at) < 2 * RECENT_MIN_BUCKET
     }
 
     pub fn oldest_sent_at(&self) -> Option<Micros> {

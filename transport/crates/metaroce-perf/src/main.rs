@@ -258,16 +258,18 @@ fn client(a: &Args) -> Result<bool, String> {
             .iter()
             .map(|(port, p)| {
                 format!(
-                    "{{\"src_port\":{port},\"srtt_us\":{},\"cwnd\":{},\"pkts_sent\":{},\"retransmits\":{},\"failed\":{}}}",
-                    p.srtt_us, p.cwnd, p.pkts_sent, p.retransmits, p.failed
+                    "{{\"src_port\":{port},\"srtt_us\":{},\"min_rtt_us\":{},\"recent_rtt_us\":{},\"cwnd\":{},\"pkts_sent\":{},\"retransmits\":{},\"failed\":{}}}",
+                    p.srtt_us, p.min_rtt_us, p.recent_rtt_us, p.cwnd, p.pkts_sent, p.retransmits, p.failed
                 )
             })
             .collect();
         println!(
-            "{{\"mode\":\"{}\",\"size\":{},\"messages\":{msgs},\"bytes\":{bytes},\"seconds\":{secs:.6},\"goodput_gbps\":{gbps:.6},\"packets_sent\":{sent},\"retransmits\":{retx},\"spurious_retransmits\":{spurious},\"ce_marks\":{ce},\"rtos\":{},\"lat_p50_us\":{:.2},\"lat_p99_us\":{:.2},\"tx_dropped_local\":{},\"sock_rcvbuf\":{},\"sock_sndbuf\":{},\"paths\":[{}]}}",
+            "{{\"mode\":\"{}\",\"size\":{},\"messages\":{msgs},\"bytes\":{bytes},\"seconds\":{secs:.6},\"goodput_gbps\":{gbps:.6},\"packets_sent\":{sent},\"retransmits\":{retx},\"spurious_retransmits\":{spurious},\"ce_marks\":{ce},\"rtos\":{},\"spurious_rtos\":{},\"tlps\":{},\"lat_p50_us\":{:.2},\"lat_p99_us\":{:.2},\"tx_dropped_local\":{},\"sock_rcvbuf\":{},\"sock_sndbuf\":{},\"paths\":[{}]}}",
             a.mode,
             a.size,
             c1.rtos - c0.rtos,
+            c1.spurious_rtos - c0.spurious_rtos,
+            c1.tlps - c0.tlps,
             percentile(&lat_us, 0.5),
             percentile(&lat_us, 0.99),
             io.tx_dropped_local,

@@ -1,10 +1,14 @@
 //! AIMD per path: slow start to the first congestion signal, then one MSS per
 //! RTT up; down by BETA_LOSS once per RTT on loss, DCTCP-style on the fraction
 //! of CE-marked packets (alpha, a moving average with gain 1/16), and, like
-//! Swift, in proportion to the RTT above a target queueing delay over the
-//! path's minimum RTT (where no switch marks CE, a growing queue still says so).
+//! Swift, in proportion to the delay above a target (where no switch marks CE,
+//! a growing queue still says so). Two delays are watched, as Swift splits
+//! fabric from endpoint delay: the path's own queue (its srtt above the
+//! connection's least-delayed path, `queue_target`), and the whole RTT above the
+//! path's minimum (`SHARED_QUEUE_FACTOR` times that target), which also grows
+//! when the hosts are busy and so must not be held to the tight target.
 
-use super::Controller;
+use super::{Controller, Delay};
 use crate::time::Micros;
 
 pub const INITIAL_WINDOW_PACKETS: u64 = 16;
@@ -13,9 +17,11 @@ pub const MIN_WINDOW_PACKETS: u64 = 2;
 /// less than TCP's 0.5 (CUBIC uses 0.7).
 pub const BETA_LOSS: f64 = 0.7;
 pub const ALPHA_GAIN: f64 = 1.0 / 16.0;
-/// Queueing delay a path may build before the window comes down.
 /// Default queueing delay a path may build before the window comes down.
 pub const QUEUE_TARGET_US: Micros = 500;
+/// The whole RTT may exceed the path's minimum by this many queue targets (a
+/// queue every path shares: incast at the receiver's port, or the hosts).
+pub const SHARED_QUEUE_FACTOR: u64 = 8;
 /// Swift's beta and cap on one decrease.
 pub const BETA_DELAY: f64 = 0.8;
 pub const MAX_DELAY_DECREASE: f64 = 0.5;
@@ -69,12 +75,23 @@ impl Controller for Aimd {
         self.cwnd
     }
 
-    fn on_ack(&mut self, now: Micros, acked: u64, rtt: Micros, min_rtt: Micros, srtt: Micros) {
-        let target = min_rtt.saturating_add(self.queue_target.max(min_rtt / 2));
-        if rtt > target {
-            if now >= self.last_delay_cut + srtt.max(1) {
+    fn on_ack(&mut self, now: Micros, acked: u64, d: Delay) {
+        let own_target = self.queue_target.max(d.min_rtt / 2);
+        let own = d.recent.saturating_sub(d.common);
+        let shared = d.recent.saturating_sub(d.min_rtt);
+        let shared_target = SHARED_QUEUE_FACTOR * own_target;
+        // Over either target: the fraction of the delay that is queue, as Swift.
+        let over = if own > own_target {
+            Some((own - own_target) as f64 / d.recent.max(1) as f64)
+        } else if shared > shared_target {
+            Some((shared - shared_target) as f64 / d.recent.max(1) as f64)
+        } else {
+            None
+        };
+        if let Some(frac) = over {
+            if now >= self.last_delay_cut + d.srtt.max(1) {
                 self.last_delay_cut = now;
-                let f = (BETA_DELAY * (rtt - target) as f64 / rtt as f64).min(MAX_DELAY_DECREASE);
+                let f = (BETA_DELAY * frac).min(MAX_DELAY_DECREASE);
                 self.cwnd = ((self.cwnd as f64 * (1.0 - f)) as u64).max(self.min_window());
                 self.ssthresh = self.cwnd;
             }
@@ -121,10 +138,14 @@ impl Controller for Aimd {
 mod tests {
     use super::*;
 
+    fn d(rtt: Micros, min_rtt: Micros, srtt: Micros, common: Micros) -> Delay {
+        Delay { rtt, min_rtt, srtt, recent: rtt, common }
+    }
+
     #[test]
     fn slow_start_then_one_cut_per_rtt() {
         let mut c = Aimd::new(1000, 1 << 20);
-        c.on_ack(0, 16_000, 50, 50, 50);
+        c.on_ack(0, 16_000, d(50, 50, 50, 50));
         assert_eq!(c.window(), 32_000);
         c.on_loss(1_000, 900, 100);
         assert_eq!(c.window(), 22_400);
@@ -132,7 +153,7 @@ mod tests {
         c.on_loss(1_010, 950, 100);
         assert_eq!(c.window(), 22_400);
         // Congestion avoidance: about one MSS per window acked.
-        c.on_ack(1_200, 22_400, 50, 50, 50);
+        c.on_ack(1_200, 22_400, d(50, 50, 50, 50));
         assert_eq!(c.window(), 23_400);
     }
 
@@ -147,15 +168,29 @@ mod tests {
     }
 
     #[test]
-    fn queueing_delay_above_target_cuts_the_window() {
+    fn a_path_queued_beyond_its_siblings_is_cut() {
         let mut c = Aimd::new(1000, 1 << 20);
-        c.on_ack(1_000, 1000, 50 + QUEUE_TARGET_US + 1000, 50, 100);
+        let srtt = 100 + QUEUE_TARGET_US + 1000;
+        c.on_ack(10_000, 1000, d(srtt, 100, srtt, 100));
         assert!(c.window() < 16_000, "{}", c.window());
         let w = c.window();
-        c.on_ack(1_010, 1000, 50 + QUEUE_TARGET_US + 1000, 50, 100);
+        c.on_ack(10_010, 1000, d(srtt, 100, srtt, 100));
         assert_eq!(c.window(), w, "one cut per RTT");
-        c.on_ack(1_200, 1000, 60, 50, 100);
+        c.on_ack(30_000, 1000, d(120, 100, 120, 100));
         assert!(c.window() > w, "below target it grows again");
+    }
+
+    #[test]
+    fn host_delay_every_path_shares_is_not_a_queue_on_this_path() {
+        // 600 us on every path (a busy host) with a 60 us minimum: the old rule, RTT
+        // over min + 500 us, cut every path to a few packets on idle links.
+        let mut c = Aimd::new(1000, 1 << 20);
+        c.on_ack(1_000, 16_000, d(600, 60, 600, 580));
+        assert_eq!(c.window(), 32_000);
+        // The shared queue still counts once it is far above the target (incast).
+        let rtt = 60 + SHARED_QUEUE_FACTOR * QUEUE_TARGET_US + 2_000;
+        c.on_ack(20_000, 1000, d(rtt, 60, rtt, rtt));
+        assert!(c.window() < 32_000, "{}", c.window());
     }
 
     #[test]

@@ -5,11 +5,28 @@ pub mod aimd;
 
 use crate::time::Micros;
 
+/// What one ACK says about a path's delay.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Delay {
+    /// This ACK's sample.
+    pub rtt: Micros,
+    /// The path's lowest sample ever.
+    pub min_rtt: Micros,
+    pub srtt: Micros,
+    /// The path's lowest sample of the last millisecond or two: a queue on a link
+    /// persists and lifts it, a scheduling hiccup of the hosts mostly does not.
+    pub recent: Micros,
+    /// The lowest `recent` among the connection's live paths. Every path shares
+    /// the two hosts' own delay (socket buffers, batching, a descheduled progress
+    /// thread: hundreds of microseconds on a loaded host), so `recent - common`
+    /// is the queue on this path's own links, the part a window on it can change.
+    pub common: Micros,
+}
+
 pub trait Controller: Send + std::fmt::Debug {
     /// Bytes the path may have in flight.
     fn window(&self) -> u64;
-    /// `rtt` is this ACK's sample, `min_rtt` the path's lowest seen.
-    fn on_ack(&mut self, now: Micros, acked_bytes: u64, rtt: Micros, min_rtt: Micros, srtt: Micros);
+    fn on_ack(&mut self, now: Micros, acked_bytes: u64, delay: Delay);
     /// `marked` of the last `total` packets the receiver saw carried CE.
     fn on_ce(&mut self, now: Micros, marked: u32, total: u32, srtt: Micros);
     /// A packet sent at `sent_at` was lost.

@@ -114,6 +114,12 @@ pub struct Sim {
     buf: Vec<u8>,
     /// Extra datagrams injected by a test (fuzzing): (to, from, bytes).
     pub injected: u64,
+    /// A busy host: in the second half of every `period`, each datagram reaches its
+    /// endpoint `delay` late (a descheduled progress thread, full socket buffers);
+    /// every path shares it and each link's order is kept.
+    pub host_busy: Option<(Micros, Micros)>,
+    /// Per (endpoint, link): the latest delivery time so far.
+    last_at: Vec<Vec<Micros>>,
 }
 
 impl Sim {
@@ -134,6 +140,8 @@ impl Sim {
             seq: 0,
             buf: vec![0; 65536],
             injected: 0,
+            host_busy: None,
+            last_at: vec![vec![0; 64]; n],
         }
     }
 
@@ -206,7 +214,14 @@ impl Sim {
         link.free_at[dir] = start + ser;
         link.delivered[dir] += 1;
         link.bytes[dir] += data.len() as u64;
-        let at = start + ser + link.delay;
+        let mut at = start + ser + link.delay;
+        if let Some((period, delay)) = self.host_busy {
+            if at % period >= period / 2 {
+                at += delay;
+            }
+            at = at.max(self.last_at[to][li]);
+            self.last_at[to][li] = at;
+        }
         let ce = t.ect && ce_roll;
         if dup_roll {
             self.seq += 1;
