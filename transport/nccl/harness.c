@@ -1,0 +1,695 @@
+/*
+ * nccl-net-check: NCCL's call contract for a net plugin, replayed between two processes.
+ *
+ * NCCL cannot start without a GPU, so this program does what NCCL's transport setup
+ * and proxy do with a net plugin, and checks the answers:
+ *   - load: dlopen("libnccl-net-<name>.so") (NCCL_NET_PLUGIN's naming rule, found on
+ *     the loader's path) and dlsym("ncclNetPlugin_v<N>"), calling it through that
+ *     version's own struct (nccl/net.h), so each version's adapter is tested by itself;
+ *   - init, devices, getProperties (host memory only, speed, maxRecvs ...);
+ *   - listen on both ranks, the handles swapped over a TCP bootstrap (NCCL's own
+ *     bootstrap is TCP too), then connect and accept polled together until both
+ *     return a comm (they return success with NULL until then);
+ *   - regMr of host memory, and the refusal of CUDA memory and dma-buf;
+ *   - 32 isends and 32 irecvs in flight per comm (NCCL_NET_MAX_REQUESTS; a 33rd is
+ *     answered with request NULL), receives larger than their sends (test returns the
+ *     real size), a zero-byte message;
+ *   - grouped receives (irecv with maxRecvs buffers and tags, several groups in flight,
+ *     the sender sending each group's tags in reverse order);
+ *   - iflush (a no-op for host memory), a bulk transfer in both directions at once with
+ *     8 in flight (NCCL_STEPS) and its goodput, every byte checked;
+ *   - closeSend, closeRecv, closeListen, deregMr, finalize (v12).
+ * Rank 0 listens on the bootstrap address, rank 1 connects to it:
+ *   nccl-net-check --rank 0 --bootstrap 10.202.0.2:5555 --version 12 [--ifname data]
+ * Prints "ok <step>" lines, "RESULT {json}" lines and "ALL OK"; exit 0 only if all held.
+ */
+#include <arpa/inet.h>
+#include <dlfcn.h>
+#include <errno.h>
+#include <getopt.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "nccl/net.h"
+
+#define MAXREQ NCCL_NET_MAX_REQUESTS
+#define MAX_GROUP 8
+
+static int V;           /* the plugin version under test */
+static const void *P;   /* its ncclNetPlugin_v<V> */
+static void *ctx;       /* v12's per-communicator context */
+static int rank;
+static int verbose;
+
+static void fail(const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  fprintf(stdout, "FAIL rank %d: ", rank);
+  vfprintf(stdout, fmt, ap);
+  fprintf(stdout, "\n");
+  va_end(ap);
+  fflush(stdout);
+  exit(1);
+}
+
+static void ok(const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  fprintf(stdout, "ok rank %d v%d: ", rank, V);
+  vfprintf(stdout, fmt, ap);
+  fprintf(stdout, "\n");
+  va_end(ap);
+  fflush(stdout);
+}
+
+static void logger(ncclDebugLogLevel level, unsigned long flags, const char *file, int line,
+                   const char *fmt, ...) {
+  (void)flags;
+  if (level > NCCL_LOG_WARN && !verbose) return;
+  va_list ap;
+  va_start(ap, fmt);
+  fprintf(stderr, "[plugin %s %s:%d] ", level == NCCL_LOG_WARN ? "WARN" : "INFO", file, line);
+  vfprintf(stderr, fmt, ap);
+  fprintf(stderr, "\n");
+  va_end(ap);
+}
+
+static double now_s(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+#define CHECK(call)                                                          \
+  do {                                                                       \
+    ncclResult_t r_ = (call);                                                \
+    if (r_ != ncclSuccess) fail("%s returned %d (line %d)", #call, r_, __LINE__); \
+  } while (0)
+
+/* ---- calls through the version's own struct ---------------------------------------- */
+
+#define N6 ((const ncclNet_v6_t *)P)
+#define N7 ((const ncclNet_v7_t *)P)
+#define N8 ((const ncclNet_v8_t *)P)
+#define N9 ((const ncclNet_v9_t *)P)
+#define N10 ((const ncclNet_v10_t *)P)
+#define N11 ((const ncclNet_v11_t *)P)
+#define N12 ((const ncclNet_v12_t *)P)
+
+/* The properties every version has, plus what the later ones add (-1 when absent). */
+struct props {
+  const char *name, *pciPath;
+  uint64_t guid;
+  int ptrSupport, speed, port, maxComms, maxRecvs;
+  float latency;
+  int regIsGlobal, forceFlush, netDeviceType, vndevs, vdev0, maxMultiRequestSize;
+  long long maxP2pBytes;
+};
+
+static ncclResult_t n_init(void) {
+  switch (V) {
+    case 6: return N6->init(logger);
+    case 7: return N7->init(logger);
+    case 8: return N8->init(logger);
+    case 9: return N9->init(logger);
+    case 10: return N10->init(logger, NULL);
+    case 11: return N11->init(logger, NULL);
+    default: {
+      ncclNetCommConfig_v12_t cfg = {.trafficClass = NCCL_NET_TRAFFIC_CLASS_UNDEF};
+      return N12->init(&ctx, 0x5eed, &cfg, logger, NULL);
+    }
+  }
+}
+
+static ncclResult_t n_devices(int *n) {
+  switch (V) {
+    case 6: return N6->devices(n);
+    case 7: return N7->devices(n);
+    case 8: return N8->devices(n);
+    case 9: return N9->devices(n);
+    case 10: return N10->devices(n);
+    case 11: return N11->devices(n);
+    default: return N12->devices(n);
+  }
+}
+
+#define BASE_PROPS(q)                                                        \
+  do {                                                                       \
+    out->name = (q).name, out->pciPath = (q).pciPath, out->guid = (q).guid;  \
+    out->ptrSupport = (q).ptrSupport, out->speed = (q).speed;                \
+    out->port = (q).port, out->latency = (q).latency;                        \
+    out->maxComms = (q).maxComms, out->maxRecvs = (q).maxRecvs;              \
+  } while (0)
+#define V9_PROPS(q)                                                          \
+  do {                                                                       \
+    out->regIsGlobal = (q).regIsGlobal, out->forceFlush = (q).forceFlush;    \
+    out->netDeviceType = (q).netDeviceType, out->vndevs = (q).vProps.ndevs;  \
+    out->vdev0 = (q).vProps.devs[0], out->maxP2pBytes = (long long)(q).maxP2pBytes; \
+  } while (0)
+
+static ncclResult_t n_props(int dev, struct props *out) {
+  ncclResult_t r;
+  memset(out, 0xff, sizeof *out);
+  out->name = out->pciPath = NULL;
+  switch (V) {
+    case 6: { ncclNetProperties_v6_t q; if ((r = N6->getProperties(dev, &q))) return r; BASE_PROPS(q); break; }
+    case 7: { ncclNetProperties_v7_t q; if ((r = N7->getProperties(dev, &q))) return r; BASE_PROPS(q);
+              out->netDeviceType = q.netDeviceType; break; }
+    case 8: { ncclNetProperties_v8_t q; if ((r = N8->getProperties(dev, &q))) return r; BASE_PROPS(q);
+              out->netDeviceType = q.netDeviceType; out->regIsGlobal = q.regIsGlobal; break; }
+    case 9: { ncclNetProperties_v9_t q; if ((r = N9->getProperties(dev, &q))) return r; BASE_PROPS(q); V9_PROPS(q); break; }
+    case 10: { ncclNetProperties_v10_t q; if ((r = N10->getProperties(dev, &q))) return r; BASE_PROPS(q); V9_PROPS(q); break; }
+    case 11: { ncclNetProperties_v11_t q; if ((r = N11->getProperties(dev, &q))) return r; BASE_PROPS(q); V9_PROPS(q); break; }
+    default: { ncclNetProperties_v12_t q; if ((r = N12->getProperties(dev, &q))) return r; BASE_PROPS(q); V9_PROPS(q);
+               out->maxMultiRequestSize = q.maxMultiRequestSize; break; }
+  }
+  return ncclSuccess;
+}
+
+static ncclResult_t n_listen(int dev, void *h, void **lc) {
+  switch (V) {
+    case 6: return N6->listen(dev, h, lc);
+    case 7: return N7->listen(dev, h, lc);
+    case 8: return N8->listen(dev, h, lc);
+    case 9: return N9->listen(dev, h, lc);
+    case 10: return N10->listen(dev, h, lc);
+    case 11: return N11->listen(dev, h, lc);
+    default: return N12->listen(ctx, dev, h, lc);
+  }
+}
+
+static ncclResult_t n_connect(int dev, void *h, void **sc) {
+  ncclNetDeviceHandle_v7_t *dc = NULL; /* NULL: no device offload requested */
+  ncclNetCommConfig_v10_t cfg = {.trafficClass = NCCL_NET_TRAFFIC_CLASS_UNDEF};
+  switch (V) {
+    case 6: return N6->connect(dev, h, sc);
+    case 7: return N7->connect(dev, h, sc, &dc);
+    case 8: return N8->connect(dev, h, sc, &dc);
+    case 9: return N9->connect(dev, h, sc, &dc);
+    case 10: return N10->connect(dev, &cfg, h, sc, &dc);
+    case 11: return N11->connect(dev, (ncclNetCommConfig_v11_t *)&cfg, h, sc, &dc);
+    default: return N12->connect(ctx, dev, h, sc, &dc);
+  }
+}
+
+static ncclResult_t n_accept(void *lc, void **rc) {
+  ncclNetDeviceHandle_v7_t *dc = NULL;
+  switch (V) {
+    case 6: return N6->accept(lc, rc);
+    case 7: return N7->accept(lc, rc, &dc);
+    case 8: return N8->accept(lc, rc, &dc);
+    case 9: return N9->accept(lc, rc, &dc);
+    case 10: return N10->accept(lc, rc, &dc);
+    case 11: return N11->accept(lc, rc, &dc);
+    default: return N12->accept(lc, rc, &dc);
+  }
+}
+
+static ncclResult_t n_reg(void *comm, void *data, size_t size, int type, void **mh) {
+  switch (V) {
+    case 6: return N6->regMr(comm, data, (int)size, type, mh);
+    case 7: return N7->regMr(comm, data, (int)size, type, mh);
+    case 8: return N8->regMr(comm, data, size, type, mh);
+    case 9: return N9->regMr(comm, data, size, type, mh);
+    case 10: return N10->regMr(comm, data, size, type, mh);
+    case 11: return N11->regMr(comm, data, size, type, mh);
+    default: return N12->regMr(comm, data, size, type, mh);
+  }
+}
+
+/* regMrDmaBuf sits at the same place with the same signature in every version. */
+static ncclResult_t n_reg_dmabuf(void *comm, void *data, size_t size, void **mh) {
+  if (N6->regMrDmaBuf == NULL) return ncclInternalError;
+  return N6->regMrDmaBuf(comm, data, size, NCCL_PTR_DMABUF, 0, -1, mh);
+}
+
+static ncclResult_t n_dereg(void *comm, void *mh) {
+  switch (V) {
+    case 6: return N6->deregMr(comm, mh);
+    case 7: return N7->deregMr(comm, mh);
+    case 8: return N8->deregMr(comm, mh);
+    case 9: return N9->deregMr(comm, mh);
+    case 10: return N10->deregMr(comm, mh);
+    case 11: return N11->deregMr(comm, mh);
+    default: return N12->deregMr(comm, mh);
+  }
+}
+
+static ncclResult_t n_isend(void *sc, void *data, size_t size, int tag, void *mh, void **req) {
+  switch (V) {
+    case 6: return N6->isend(sc, data, (int)size, tag, mh, req);
+    case 7: return N7->isend(sc, data, (int)size, tag, mh, req);
+    case 8: return N8->isend(sc, data, (int)size, tag, mh, req);
+    case 9: return N9->isend(sc, data, size, tag, mh, req);
+    case 10: return N10->isend(sc, data, size, tag, mh, NULL, req);
+    case 11: return N11->isend(sc, data, size, tag, mh, NULL, req);
+    default: return N12->isend(sc, data, size, tag, mh, NULL, req);
+  }
+}
+
+static ncclResult_t n_irecv(void *rc, int n, void **data, size_t *sizes, int *tags, void **mh,
+                            void **req) {
+  int isz[MAX_GROUP];
+  void *ph[MAX_GROUP] = {0};
+  for (int i = 0; i < n && i < MAX_GROUP; i++) isz[i] = (int)sizes[i];
+  switch (V) {
+    case 6: return N6->irecv(rc, n, data, isz, tags, mh, req);
+    case 7: return N7->irecv(rc, n, data, isz, tags, mh, req);
+    case 8: return N8->irecv(rc, n, data, isz, tags, mh, req);
+    case 9: return N9->irecv(rc, n, data, sizes, tags, mh, req);
+    case 10: return N10->irecv(rc, n, data, sizes, tags, mh, ph, req);
+    case 11: return N11->irecv(rc, n, data, sizes, tags, mh, ph, req);
+    default: return N12->irecv(rc, n, data, sizes, tags, mh, ph, req);
+  }
+}
+
+/* iflush, test and the closes have one signature and place in every version. */
+static ncclResult_t n_iflush(void *rc, int n, void **data, int *sizes, void **mh, void **req) {
+  return N6->iflush(rc, n, data, sizes, mh, req);
+}
+static ncclResult_t n_test(void *req, int *done, int *sizes) { return N6->test(req, done, sizes); }
+static ncclResult_t n_close_send(void *c) { return N6->closeSend(c); }
+static ncclResult_t n_close_recv(void *c) { return N6->closeRecv(c); }
+static ncclResult_t n_close_listen(void *c) { return N6->closeListen(c); }
+
+/* ---- bootstrap: a TCP socket between the two ranks ---------------------------------- */
+
+static int boot_fd = -1;
+
+static void boot_open(const char *hostport, double timeout) {
+  char host[64];
+  const char *colon = strrchr(hostport, ':');
+  if (colon == NULL || (size_t)(colon - hostport) >= sizeof host)
+    fail("--bootstrap %s: want IPv4:PORT", hostport);
+  memcpy(host, hostport, (size_t)(colon - hostport));
+  host[colon - hostport] = 0;
+  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)atoi(colon + 1))};
+  if (inet_pton(AF_INET, host, &sa.sin_addr) != 1) fail("--bootstrap %s: not an IPv4 address", host);
+  int one = 1;
+  if (rank == 0) {
+    int l = socket(AF_INET, SOCK_STREAM, 0);
+    setsockopt(l, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (bind(l, (struct sockaddr *)&sa, sizeof sa) != 0 || listen(l, 1) != 0)
+      fail("bootstrap listen on %s: %s", hostport, strerror(errno));
+    boot_fd = accept(l, NULL, NULL);
+    close(l);
+  } else {
+    double t0 = now_s();
+    for (;;) {
+      boot_fd = socket(AF_INET, SOCK_STREAM, 0);
+      if (connect(boot_fd, (struct sockaddr *)&sa, sizeof sa) == 0) break;
+      close(boot_fd);
+      boot_fd = -1;
+      if (now_s() - t0 > timeout) fail("bootstrap connect to %s: %s", hostport, strerror(errno));
+      usleep(50000);
+    }
+  }
+  if (boot_fd < 0) fail("bootstrap: %s", strerror(errno));
+  setsockopt(boot_fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+}
+
+static void boot_xchg(const void *mine, void *theirs, size_t len) {
+  if (write(boot_fd, mine, len) != (ssize_t)len) fail("bootstrap write: %s", strerror(errno));
+  size_t got = 0;
+  while (got < len) {
+    ssize_t n = read(boot_fd, (char *)theirs + got, len - got);
+    if (n <= 0) fail("bootstrap read: peer gone");
+    got += (size_t)n;
+  }
+}
+
+static void barrier(void) {
+  char a = 'b', b;
+  boot_xchg(&a, &b, 1);
+}
+
+/* ---- data patterns ------------------------------------------------------------------ */
+
+static uint8_t pat(int dir, uint32_t msg, size_t k) {
+  return (uint8_t)(k * 131u + msg * 7u + (uint32_t)dir * 61u + 1u + (k >> 12));
+}
+
+static void fill(uint8_t *buf, size_t len, int dir, uint32_t msg) {
+  for (size_t k = 0; k < len; k++) buf[k] = pat(dir, msg, k);
+}
+
+static void verify(const uint8_t *buf, size_t len, int dir, uint32_t msg, const char *what) {
+  for (size_t k = 0; k < len; k++)
+    if (buf[k] != pat(dir, msg, k))
+      fail("%s: message %u byte %zu is %#x, want %#x", what, msg, k, buf[k], pat(dir, msg, k));
+}
+
+/* Wait for one request; returns sizes[0]. */
+static int wait_req(void *req, int *sizes, const char *what) {
+  int done = 0, tmp[MAX_GROUP];
+  double t0 = now_s();
+  if (sizes == NULL) sizes = tmp;
+  while (!done) {
+    CHECK(n_test(req, &done, sizes));
+    if (!done && now_s() - t0 > 60) fail("%s: not complete after 60 s", what);
+    if (!done) sched_yield(); /* like NCCL's idle proxy thread */
+  }
+  return sizes[0];
+}
+
+static void *post_send(void *sc, void *data, size_t size, int tag, void *mh) {
+  void *req = NULL;
+  double t0 = now_s();
+  for (;;) {
+    CHECK(n_isend(sc, data, size, tag, mh, &req));
+    if (req != NULL) return req;
+    if (now_s() - t0 > 10) fail("isend: request NULL for 10 s");
+    usleep(100);
+  }
+}
+
+static void *post_recv(void *rc, int n, void **data, size_t *sizes, int *tags, void **mh) {
+  void *req = NULL;
+  double t0 = now_s();
+  for (;;) {
+    /* NCCL may pass this hint in *request; the plugin must still give a request */
+    if (V >= 9) req = (void *)NCCL_NET_OPTIONAL_RECV_COMPLETION;
+    CHECK(n_irecv(rc, n, data, sizes, tags, mh, &req));
+    if (req != NULL && req != (void *)NCCL_NET_OPTIONAL_RECV_COMPLETION) return req;
+    if (now_s() - t0 > 10) fail("irecv: request NULL for 10 s");
+    usleep(100);
+  }
+}
+
+/* ---- the contract ------------------------------------------------------------------- */
+
+int main(int argc, char **argv) {
+  const char *plugin = getenv("NCCL_NET_PLUGIN") ? getenv("NCCL_NET_PLUGIN") : "metaroce";
+  const char *bootstrap = NULL, *ifname = NULL;
+  int timeout = 180;
+  size_t bulk_size = 1 << 20, bulk_total = 256u << 20;
+  int window = 8;
+  V = 12;
+  rank = -1;
+  static const struct option opts[] = {
+      {"plugin", 1, 0, 'p'}, {"version", 1, 0, 'V'}, {"rank", 1, 0, 'r'},
+      {"bootstrap", 1, 0, 'b'}, {"ifname", 1, 0, 'i'}, {"bulk-size", 1, 0, 's'},
+      {"bulk-mib", 1, 0, 'm'}, {"window", 1, 0, 'w'}, {"timeout", 1, 0, 't'},
+      {"verbose", 0, 0, 'v'}, {0, 0, 0, 0}};
+  for (int c; (c = getopt_long(argc, argv, "", opts, NULL)) != -1;) {
+    switch (c) {
+      case 'p': plugin = optarg; break;
+      case 'V': V = atoi(optarg); break;
+      case 'r': rank = atoi(optarg); break;
+      case 'b': bootstrap = optarg; break;
+      case 'i': ifname = optarg; break;
+      case 's': bulk_size = strtoull(optarg, NULL, 0); break;
+      case 'm': bulk_total = strtoull(optarg, NULL, 0) << 20; break;
+      case 'w': window = atoi(optarg); break;
+      case 't': timeout = atoi(optarg); break;
+      case 'v': verbose = 1; break;
+      default: return 2;
+    }
+  }
+  if ((rank != 0 && rank != 1) || bootstrap == NULL || V < 6 || V > 12 || window < 1 ||
+      window > MAXREQ || bulk_size < 1 || bulk_size > (1u << 30)) {
+    fprintf(stderr, "usage: %s --rank 0|1 --bootstrap IP:PORT [--version 6..12] [--ifname NAME]\n"
+                    "  [--plugin NAME] [--bulk-size BYTES] [--bulk-mib MIB] [--window 1..32]\n"
+                    "  [--timeout S] [--verbose]\n", argv[0]);
+    return 2;
+  }
+  signal(SIGALRM, SIG_DFL);
+  alarm((unsigned)timeout); /* a hang is a failure, not a stuck CI job */
+  int me = rank, peer = 1 - rank;
+
+  /* load the way NCCL does: the name on the loader's path, then the versioned symbol */
+  char lib[256];
+  snprintf(lib, sizeof lib, "libnccl-net-%s.so", plugin);
+  void *h = dlopen(lib, RTLD_NOW | RTLD_LOCAL);
+  if (h == NULL) fail("dlopen %s: %s", lib, dlerror());
+  char sym[32];
+  snprintf(sym, sizeof sym, "ncclNetPlugin_v%d", V);
+  P = dlsym(h, sym);
+  if (P == NULL) fail("%s has no %s", lib, sym);
+  if (strcmp(N6->name, plugin) != 0) fail("%s names itself %s", sym, N6->name);
+  ok("loaded %s from %s", sym, lib);
+
+  CHECK(n_init());
+  int ndev = 0;
+  CHECK(n_devices(&ndev));
+  if (ndev < 1) fail("devices: %d", ndev);
+  int dev = -1;
+  for (int d = 0; d < ndev; d++) {
+    struct props p;
+    CHECK(n_props(d, &p));
+    if (p.name == NULL || !p.name[0]) fail("dev %d: no name", d);
+    if (p.ptrSupport != NCCL_PTR_HOST) fail("dev %d: ptrSupport %#x, want HOST only", d, p.ptrSupport);
+    if (p.speed <= 0 || p.maxComms < 1 || p.maxRecvs < 1 || p.maxRecvs > MAX_GROUP)
+      fail("dev %d: speed %d maxComms %d maxRecvs %d", d, p.speed, p.maxComms, p.maxRecvs);
+    char path[128];
+    snprintf(path, sizeof path, "/sys/class/net/%s/speed", p.name);
+    FILE *f = fopen(path, "r");
+    int sys_speed = -1;
+    if (f) {
+      if (fscanf(f, "%d", &sys_speed) != 1) sys_speed = -1;
+      fclose(f);
+    }
+    if (sys_speed > 0 && sys_speed != p.speed) fail("dev %d: speed %d, %s says %d", d, p.speed, path, sys_speed);
+    if (V >= 7 && p.netDeviceType != NCCL_NET_DEVICE_HOST) fail("dev %d: netDeviceType %d", d, p.netDeviceType);
+    if (V >= 9 && (p.vndevs != 1 || p.vdev0 != d || p.maxP2pBytes <= 0 || p.forceFlush != 0))
+      fail("dev %d: vProps %d/%d maxP2pBytes %lld forceFlush %d", d, p.vndevs, p.vdev0, p.maxP2pBytes, p.forceFlush);
+    if (V >= 12 && p.maxMultiRequestSize < 1) fail("dev %d: maxMultiRequestSize %d", d, p.maxMultiRequestSize);
+    printf("RESULT {\"rank\": %d, \"version\": %d, \"dev\": %d, \"name\": \"%s\", \"pciPath\": \"%s\", "
+           "\"speed\": %d, \"sys_speed\": %d, \"ptrSupport\": %d, \"maxComms\": %d, \"maxRecvs\": %d, "
+           "\"latency\": %g, \"maxP2pBytes\": %lld}\n",
+           me, V, d, p.name, p.pciPath ? p.pciPath : "", p.speed, sys_speed, p.ptrSupport,
+           p.maxComms, p.maxRecvs, (double)p.latency, p.maxP2pBytes);
+    if (dev < 0 && (ifname == NULL || strcmp(p.name, ifname) == 0)) dev = d;
+  }
+  if (dev < 0) fail("no device named %s among %d", ifname, ndev);
+  struct props props;
+  CHECK(n_props(dev, &props));
+  int group = props.maxRecvs;
+  ok("init, %d device(s), properties checked; using dev %d (%s, %d Mbit/s, maxRecvs %d)", ndev,
+     dev, props.name, props.speed, group);
+
+  /* listen, swap handles, connect and accept polled together like NCCL's setup loop */
+  boot_open(bootstrap, 30);
+  char handle[NCCL_NET_HANDLE_MAXSIZE] = {0}, peer_handle[NCCL_NET_HANDLE_MAXSIZE];
+  void *lc = NULL, *sc = NULL, *rc = NULL;
+  CHECK(n_listen(dev, handle, &lc));
+  if (lc == NULL) fail("listen: no comm");
+  {
+    char junk[NCCL_NET_HANDLE_MAXSIZE] = {0};
+    void *bad = NULL;
+    if (n_connect(dev, junk, &bad) == ncclSuccess && bad != NULL) fail("connect to a zero handle gave a comm");
+  }
+  boot_xchg(handle, peer_handle, sizeof handle);
+  long connect_polls = 0, accept_polls = 0;
+  double t0 = now_s();
+  while (sc == NULL || rc == NULL) {
+    if (sc == NULL) {
+      CHECK(n_connect(dev, peer_handle, &sc));
+      connect_polls++;
+    }
+    if (rc == NULL) {
+      CHECK(n_accept(lc, &rc));
+      accept_polls++;
+    }
+    if (now_s() - t0 > 30) fail("connect/accept: not established in 30 s (sc %p rc %p)", sc, rc);
+  }
+  if (connect_polls < 2) fail("connect returned a comm on its first call: it blocked or skipped the handshake");
+  ok("connected in %.1f ms: connect polled %ld times, accept %ld times", (now_s() - t0) * 1e3,
+     connect_polls, accept_polls);
+
+  /* memory: host registered; CUDA and dma-buf refused honestly */
+  size_t big = bulk_size > (4u << 20) ? bulk_size : (4u << 20);
+  size_t send_len = (size_t)window * big + (8u << 20), recv_len = send_len;
+  uint8_t *sbuf = aligned_alloc(4096, send_len), *rbuf = aligned_alloc(4096, recv_len);
+  if (!sbuf || !rbuf) fail("out of memory");
+  memset(rbuf, 0, recv_len);
+  void *smh = NULL, *rmh = NULL, *cuda = NULL;
+  CHECK(n_reg(sc, sbuf, send_len, NCCL_PTR_HOST, &smh));
+  CHECK(n_reg(rc, rbuf, recv_len, NCCL_PTR_HOST, &rmh));
+  if (n_reg(sc, sbuf, 4096, NCCL_PTR_CUDA, &cuda) == ncclSuccess) fail("regMr accepted NCCL_PTR_CUDA");
+  if (n_reg_dmabuf(sc, sbuf, 4096, &cuda) == ncclSuccess) fail("regMrDmaBuf accepted a dma-buf");
+  ok("regMr: host memory registered, CUDA and dma-buf refused");
+
+  /* 32 in flight each way; receives larger than the sends; one zero-byte message */
+  {
+    const size_t slot = 64 * 1024;
+    void *sreq[MAXREQ], *rreq[MAXREQ];
+    size_t ssz[MAXREQ];
+    for (int i = 0; i < MAXREQ; i++) {
+      ssz[i] = i == 5 ? 0 : (size_t)(1000 + i * 1999) % slot;
+      void *d = rbuf + (size_t)i * slot;
+      size_t sz = slot;
+      int tag = i % 4;
+      rreq[i] = post_recv(rc, 1, &d, &sz, &tag, &rmh);
+    }
+    for (int i = 0; i < MAXREQ; i++) {
+      uint8_t *d = sbuf + (size_t)i * slot;
+      fill(d, ssz[i], me, (uint32_t)i);
+      sreq[i] = post_send(sc, d, ssz[i], i % 4, smh);
+    }
+    void *extra = (void *)0x1;
+    CHECK(n_isend(sc, sbuf, 16, 0, smh, &extra));
+    if (extra != NULL) fail("a 33rd isend on one comm got a request (NCCL_NET_MAX_REQUESTS is 32)");
+    extra = (void *)0x1;
+    {
+      void *d = rbuf + (size_t)MAXREQ * slot;
+      size_t sz = 16;
+      int tag = 0;
+      CHECK(n_irecv(rc, 1, &d, &sz, &tag, &rmh, &extra));
+      if (extra != NULL && extra != (void *)NCCL_NET_OPTIONAL_RECV_COMPLETION)
+        fail("a 33rd irecv on one comm got a request");
+    }
+    for (int i = 0; i < MAXREQ; i++) {
+      int got = wait_req(sreq[i], NULL, "isend");
+      if (got != (int)ssz[i]) fail("isend %d: test says %d bytes, sent %zu", i, got, ssz[i]);
+    }
+    for (int i = 0; i < MAXREQ; i++) {
+      size_t want = i == 5 ? 0 : (size_t)(1000 + i * 1999) % slot; /* the peer's sizes are ours */
+      int got = wait_req(rreq[i], NULL, "irecv");
+      if (got != (int)want) fail("irecv %d: test says %d bytes, the peer sent %zu into %zu", i, got, want, slot);
+      verify(rbuf + (size_t)i * slot, want, peer, (uint32_t)i, "window");
+    }
+    ok("%d isends and %d irecvs in flight per comm, the 33rd refused with request NULL; "
+       "receives larger than their sends report the real size; a zero-byte message", MAXREQ, MAXREQ);
+  }
+
+  /* grouped receives: 4 groups of maxRecvs buffers in flight, tags sent in reverse order */
+  {
+    enum { GROUPS = 4 };
+    const size_t slot = 128 * 1024;
+    void *greq[GROUPS];
+    int tags[MAX_GROUP];
+    for (int j = 0; j < group; j++) tags[j] = 100 + j;
+    for (int g = 0; g < GROUPS; g++) {
+      void *d[MAX_GROUP];
+      size_t sz[MAX_GROUP];
+      for (int j = 0; j < group; j++) d[j] = rbuf + ((size_t)g * MAX_GROUP + j) * slot, sz[j] = slot;
+      greq[g] = post_recv(rc, group, d, sz, tags, (void **)(void *[]){rmh, rmh, rmh, rmh, rmh, rmh, rmh, rmh});
+    }
+    void *sreq[GROUPS * MAX_GROUP];
+    int ns = 0;
+    for (int g = 0; g < GROUPS; g++) {
+      for (int j = group - 1; j >= 0; j--) {
+        uint32_t msg = (uint32_t)(1000 + g * MAX_GROUP + j);
+        size_t len = 3000 + (size_t)j * 5003 + (size_t)g * 17;
+        uint8_t *d = sbuf + ((size_t)g * MAX_GROUP + j) * slot;
+        fill(d, len, me, msg);
+        sreq[ns++] = post_send(sc, d, len, tags[j], smh);
+      }
+    }
+    for (int i = 0; i < ns; i++) wait_req(sreq[i], NULL, "grouped isend");
+    for (int g = 0; g < GROUPS; g++) {
+      int sizes[MAX_GROUP];
+      wait_req(greq[g], sizes, "grouped irecv");
+      for (int j = 0; j < group; j++) {
+        size_t want = 3000 + (size_t)j * 5003 + (size_t)g * 17;
+        if (sizes[j] != (int)want) fail("group %d buffer %d (tag %d): %d bytes, want %zu", g, j, tags[j], sizes[j], want);
+        verify(rbuf + ((size_t)g * MAX_GROUP + j) * slot, want, peer, (uint32_t)(1000 + g * MAX_GROUP + j), "group");
+      }
+    }
+    ok("grouped receives: %d groups of %d buffers in flight, tags matched within each group", GROUPS, group);
+  }
+
+  /* a receive much larger than its send, then iflush (host memory: nothing to flush) */
+  {
+    void *d = rbuf;
+    size_t sz = 4u << 20;
+    int tag = 7, got;
+    void *rreq = post_recv(rc, 1, &d, &sz, &tag, &rmh);
+    fill(sbuf, 12345, me, 4242);
+    void *sreq = post_send(sc, sbuf, 12345, 7, smh);
+    wait_req(sreq, NULL, "isend 12345");
+    got = wait_req(rreq, NULL, "irecv 4 MiB");
+    if (got != 12345) fail("4 MiB receive of a 12345-byte send: test says %d", got);
+    verify(rbuf, 12345, peer, 4242, "oversized receive");
+    int isz = got;
+    void *freq = (void *)0x1;
+    CHECK(n_iflush(rc, 1, &d, &isz, &rmh, &freq));
+    if (freq != NULL) wait_req(freq, NULL, "iflush");
+    ok("a 4 MiB receive of a 12345-byte send reports 12345; iflush completes");
+  }
+
+  /* bulk: both directions at once, `window` in flight, every byte checked */
+  double goodput_mbps = 0, seconds = 0;
+  {
+    uint32_t count = (uint32_t)(bulk_total / bulk_size);
+    if (count < 1) count = 1;
+    uint8_t *expect = malloc((size_t)window * bulk_size);
+    if (!expect) fail("out of memory");
+    for (int w = 0; w < window; w++) {
+      fill(sbuf + (size_t)w * bulk_size, bulk_size, me, (uint32_t)(50000 + w));
+      fill(expect + (size_t)w * bulk_size, bulk_size, peer, (uint32_t)(50000 + w));
+    }
+    void *sreq[MAXREQ] = {0}, *rreq[MAXREQ] = {0};
+    uint32_t sent = 0, sdone = 0, rposted = 0, rdone = 0;
+    barrier();
+    double start = now_s();
+    while (sdone < count || rdone < count) {
+      while (rposted < count && rposted - rdone < (uint32_t)window) {
+        int w = (int)(rposted % (uint32_t)window);
+        void *d = rbuf + (size_t)w * bulk_size;
+        size_t sz = bulk_size;
+        int tag = 9;
+        rreq[w] = post_recv(rc, 1, &d, &sz, &tag, &rmh);
+        rposted++;
+      }
+      while (sent < count && sent - sdone < (uint32_t)window) {
+        int w = (int)(sent % (uint32_t)window);
+        sreq[w] = post_send(sc, sbuf + (size_t)w * bulk_size, bulk_size, 9, smh);
+        sent++;
+      }
+      int done = 0, size = 0, progressed = 0;
+      if (sdone < sent) {
+        int w = (int)(sdone % (uint32_t)window);
+        CHECK(n_test(sreq[w], &done, &size));
+        if (done) sdone++, progressed = 1;
+      }
+      if (rdone < rposted) {
+        int w = (int)(rdone % (uint32_t)window);
+        CHECK(n_test(rreq[w], &done, &size));
+        if (done) {
+          if (size != (int)bulk_size) fail("bulk message %u: %d bytes", rdone, size);
+          if (memcmp(rbuf + (size_t)w * bulk_size, expect + (size_t)w * bulk_size, bulk_size) != 0)
+            verify(rbuf + (size_t)w * bulk_size, bulk_size, peer, (uint32_t)(50000 + w), "bulk");
+          memset(rbuf + (size_t)w * bulk_size, 0, 64); /* a stale buffer would fail next time */
+          rdone++;
+          progressed = 1;
+        }
+      }
+      if (!progressed) sched_yield(); /* like NCCL's idle proxy thread */
+    }
+    seconds = now_s() - start;
+    goodput_mbps = (double)count * (double)bulk_size * 8 / seconds / 1e6;
+    free(expect);
+    printf("RESULT {\"rank\": %d, \"version\": %d, \"bulk_messages\": %u, \"bulk_size\": %zu, "
+           "\"window\": %d, \"seconds\": %.3f, \"goodput_mbps\": %.1f}\n",
+           me, V, count, bulk_size, window, seconds, goodput_mbps);
+    ok("bulk: %u messages of %zu bytes each way, %d in flight: %.1f Mbit/s received", count,
+       bulk_size, window, goodput_mbps);
+  }
+
+  /* teardown in NCCL's order: after both sides finished, deregister, close, finalize */
+  barrier();
+  CHECK(n_dereg(sc, smh));
+  CHECK(n_dereg(rc, rmh));
+  CHECK(n_close_send(sc));
+  CHECK(n_close_recv(rc));
+  CHECK(n_close_listen(lc));
+  if (V >= 12) CHECK(N12->finalize(ctx));
+  barrier();
+  ok("closeSend, closeRecv, closeListen, deregMr%s", V >= 12 ? ", finalize" : "");
+  close(boot_fd);
+  free(sbuf);
+  free(rbuf);
+  printf("ALL OK rank %d v%d\n", me, V);
+  return 0;
+}
