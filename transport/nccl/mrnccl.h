@@ -100,7 +100,10 @@ struct mrn_comm {
   uint32_t remote_id;  /* recv comm: the sender's send id; send comm: the receiver's id */
   mr_peer peer;
   int hs_posted;
-  struct mrn_op hs_op;
+  struct mrn_op hs_op;        /* the handshake receive: HELLO (listen) or WELCOME (send) */
+  int tx_posted;
+  struct mrn_op tx_op;        /* send: our HELLO, with a completion so a dead peer shows */
+  struct mrn_hello hello_out;
   struct mrn_hello hello;     /* listen: the HELLO being received */
   struct mrn_welcome welcome; /* send: the WELCOME being received */
   struct mrn_req reqs[MRN_MAX_REQS];

@@ -332,7 +332,9 @@ static int wait_until(struct mrn_comm *c, int (*pred)(struct mrn_comm *), int ti
   }
 }
 
-static int hs_idle(struct mrn_comm *c) { return !c->hs_posted || c->hs_op.done; }
+static int hs_idle(struct mrn_comm *c) {
+  return (!c->hs_posted || c->hs_op.done) && (!c->tx_posted || c->tx_op.done);
+}
 
 static int reqs_idle(struct mrn_comm *c) {
   for (int i = 0; i < MRN_MAX_REQS; i++) {
@@ -423,11 +425,11 @@ ncclResult_t mrn_connect(int dev, void *handle, void **send_comm) {
       goto out;
     }
     c->hs_posted = 1;
-    struct mrn_hello hello = {.magic = MRN_HELLO_MAGIC, .send_id = c->id,
-                              .addr_len = (uint32_t)d->self_len};
-    memcpy(hello.addr, d->self, d->self_len);
-    rc = mr_send(d->ep, c->peer, &hello, sizeof hello, MRN_TAG_HELLO | h->listen_id, 0,
-                 MR_TAGGED | MR_INJECT, NULL);
+    c->hello_out = (struct mrn_hello){.magic = MRN_HELLO_MAGIC, .send_id = c->id,
+                                      .addr_len = (uint32_t)d->self_len};
+    memcpy(c->hello_out.addr, d->self, d->self_len);
+    rc = mr_send(d->ep, c->peer, &c->hello_out, sizeof c->hello_out, MRN_TAG_HELLO | h->listen_id,
+                 0, MR_TAGGED, &c->tx_op);
     if (rc != 0) {
       warn_transport("connect: HELLO", rc);
       mr_cancel(d->ep, &c->hs_op);
@@ -435,12 +437,22 @@ ncclResult_t mrn_connect(int dev, void *handle, void **send_comm) {
       comm_free(c);
       goto out;
     }
+    c->tx_posted = 1;
     h->stage_comm = c;
     res = ncclSuccess;
     goto out;
   }
   if (progress(d) != 0) {
     res = ncclSystemError;
+    goto out;
+  }
+  if (c->tx_op.done && c->tx_op.err != 0) { /* the listener's endpoint never answered */
+    WARN("connect: HELLO to the listener failed: %s", mr_strerror(c->tx_op.err));
+    res = result_of(c->tx_op.err);
+    mr_cancel(d->ep, &c->hs_op);
+    wait_until(c, hs_idle, 1000);
+    h->stage_comm = NULL;
+    comm_free(c);
     goto out;
   }
   if (!c->hs_op.done) goto out;
