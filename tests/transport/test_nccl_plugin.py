@@ -60,9 +60,9 @@ class PairResult:
         )
 
     def goodput_mbps(self) -> float:
-        """The slower direction's received goodput."""
+        """The received goodput (both ways at once: the slower direction's)."""
         rates = [float(str(r["goodput_mbps"])) for r in self.results if "goodput_mbps" in r]
-        assert len(rates) == 2, self.log()
+        assert rates, self.log()
         return min(rates)
 
 
@@ -111,6 +111,7 @@ def run_pair(
     ifname: str,
     wrap: Sequence[Sequence[str]] = ((), ()),
     bulk_mib: int = 32,
+    extra: Sequence[str] = (),
     timeout: float = 150,
 ) -> PairResult:
     """Rank 0 (it listens on the bootstrap address) and rank 1, each prefixed by its
@@ -119,6 +120,7 @@ def run_pair(
     argv = [
         str(rel / HARNESS), "--version", str(version), "--bootstrap", bootstrap,
         "--ifname", ifname, "--bulk-mib", str(bulk_mib), "--timeout", str(int(timeout) - 10),
+        *extra,
     ]  # fmt: skip
     files = [tempfile.TemporaryFile("w+") for _ in range(2)]  # noqa: SIM115
     procs = []
@@ -190,12 +192,16 @@ def test_no_device_fails_loudly(release: Path) -> None:
 
 
 def _on_fabric(
-    fab: fabric.MultipathFabric, rel: Path, version: int, port: int, bulk_mib: int = 64
+    fab: fabric.MultipathFabric,
+    rel: Path,
+    version: int,
+    port: int,
+    bulk_mib: int = 64,
+    extra: Sequence[str] = (),
 ) -> PairResult:
     wrap = (fab.exec_argv("b", []), fab.exec_argv("a", []))
-    return run_pair(
-        rel, version, f"{fab.ctl_addr('b')}:{port}", "data", wrap=wrap, bulk_mib=bulk_mib
-    )
+    addr = f"{fab.ctl_addr('b')}:{port}"
+    return run_pair(rel, version, addr, "data", wrap=wrap, bulk_mib=bulk_mib, extra=extra)
 
 
 @pytest.mark.parametrize("version", [12, 6], ids=["v12", "v6"])
@@ -227,19 +233,21 @@ def test_conformance_across_the_fabric(
 def test_goodput_at_1pct_loss_against_lossless(
     clean: fabric.MultipathFabric, release: Path
 ) -> None:
-    """Interleaved runs (lossless, 1%, ...) so host load hits both alike; the medians'
-    ratio must hold issue 14's 0.85."""
+    """5 interleaved runs each (lossless, 1%, ...) so host load hits both alike, one way
+    (B to A: two busy-polling processes on this 2-core host make both ways at once
+    CPU-bound, and the ratio noise); the medians' ratio must hold issue 14's 0.85."""
     rates: dict[int, list[float]] = {0: [], 100: []}
-    for i in range(3):
+    for i in range(5):
         for loss in (0, 100):
             clean.set_impairments([fabric.Impairment("drop", loss)] if loss else [])
-            res = _on_fabric(clean, release, 12, 5700 + 2 * i + (loss > 0), bulk_mib=96)
+            port = 5700 + 2 * i + (loss > 0)
+            res = _on_fabric(clean, release, 12, port, bulk_mib=128, extra=["--one-way"])
             assert res.ok, res.log()
             rates[loss].append(res.goodput_mbps())
     lossless, lossy = statistics.median(rates[0]), statistics.median(rates[100])
     load = os.getloadavg()
     print(
-        f"NCCL harness goodput (slower direction, Mbit/s): lossless {rates[0]} 1% {rates[100]};"
+        f"NCCL harness goodput (one way, Mbit/s): lossless {rates[0]} 1% {rates[100]};"
         f" ratio {lossy / lossless:.2f}; load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}"
     )
     assert lossy >= LOSS_RATIO_FLOOR * lossless, (lossless, lossy, rates)

@@ -392,14 +392,14 @@ int main(int argc, char **argv) {
   const char *bootstrap = NULL, *ifname = NULL;
   int timeout = 180;
   size_t bulk_size = 1 << 20, bulk_total = 256u << 20;
-  int window = 8;
+  int window = 8, one_way = 0;
   V = 12;
   rank = -1;
   static const struct option opts[] = {
       {"plugin", 1, 0, 'p'}, {"version", 1, 0, 'V'}, {"rank", 1, 0, 'r'},
       {"bootstrap", 1, 0, 'b'}, {"ifname", 1, 0, 'i'}, {"bulk-size", 1, 0, 's'},
       {"bulk-mib", 1, 0, 'm'}, {"window", 1, 0, 'w'}, {"timeout", 1, 0, 't'},
-      {"verbose", 0, 0, 'v'}, {0, 0, 0, 0}};
+      {"one-way", 0, 0, 'o'}, {"verbose", 0, 0, 'v'}, {0, 0, 0, 0}};
   for (int c; (c = getopt_long(argc, argv, "", opts, NULL)) != -1;) {
     switch (c) {
       case 'p': plugin = optarg; break;
@@ -411,6 +411,7 @@ int main(int argc, char **argv) {
       case 'm': bulk_total = strtoull(optarg, NULL, 0) << 20; break;
       case 'w': window = atoi(optarg); break;
       case 't': timeout = atoi(optarg); break;
+      case 'o': one_way = 1; break;
       case 'v': verbose = 1; break;
       default: return 2;
     }
@@ -419,7 +420,7 @@ int main(int argc, char **argv) {
       window > MAXREQ || bulk_size < 1 || bulk_size > (1u << 30)) {
     fprintf(stderr, "usage: %s --rank 0|1 --bootstrap IP:PORT [--version 6..12] [--ifname NAME]\n"
                     "  [--plugin NAME] [--bulk-size BYTES] [--bulk-mib MIB] [--window 1..32]\n"
-                    "  [--timeout S] [--verbose]\n", argv[0]);
+                    "  [--one-way] [--timeout S] [--verbose]\n", argv[0]);
     return 2;
   }
   signal(SIGALRM, SIG_DFL);
@@ -618,11 +619,13 @@ int main(int argc, char **argv) {
     ok("a 4 MiB receive of a 12345-byte send reports 12345; iflush completes");
   }
 
-  /* bulk: both directions at once, `window` in flight, every byte checked */
+  /* bulk: both directions at once (--one-way: rank 1 to rank 0), `window` in flight,
+   * every byte checked */
   double goodput_mbps = 0, seconds = 0;
   {
     uint32_t count = (uint32_t)(bulk_total / bulk_size);
     if (count < 1) count = 1;
+    uint32_t nsend = one_way && me == 0 ? 0 : count, nrecv = one_way && me == 1 ? 0 : count;
     uint8_t *expect = malloc((size_t)window * bulk_size);
     if (!expect) fail("out of memory");
     for (int w = 0; w < window; w++) {
@@ -633,8 +636,8 @@ int main(int argc, char **argv) {
     uint32_t sent = 0, sdone = 0, rposted = 0, rdone = 0;
     barrier();
     double start = now_s();
-    while (sdone < count || rdone < count) {
-      while (rposted < count && rposted - rdone < (uint32_t)window) {
+    while (sdone < nsend || rdone < nrecv) {
+      while (rposted < nrecv && rposted - rdone < (uint32_t)window) {
         int w = (int)(rposted % (uint32_t)window);
         void *d = rbuf + (size_t)w * bulk_size;
         size_t sz = bulk_size;
@@ -642,7 +645,7 @@ int main(int argc, char **argv) {
         rreq[w] = post_recv(rc, 1, &d, &sz, &tag, &rmh);
         rposted++;
       }
-      while (sent < count && sent - sdone < (uint32_t)window) {
+      while (sent < nsend && sent - sdone < (uint32_t)window) {
         int w = (int)(sent % (uint32_t)window);
         sreq[w] = post_send(sc, sbuf + (size_t)w * bulk_size, bulk_size, 9, smh);
         sent++;
@@ -668,13 +671,15 @@ int main(int argc, char **argv) {
       if (!progressed) sched_yield(); /* like NCCL's idle proxy thread */
     }
     seconds = now_s() - start;
-    goodput_mbps = (double)count * (double)bulk_size * 8 / seconds / 1e6;
     free(expect);
-    printf("RESULT {\"rank\": %d, \"version\": %d, \"bulk_messages\": %u, \"bulk_size\": %zu, "
-           "\"window\": %d, \"seconds\": %.3f, \"goodput_mbps\": %.1f}\n",
-           me, V, count, bulk_size, window, seconds, goodput_mbps);
-    ok("bulk: %u messages of %zu bytes each way, %d in flight: %.1f Mbit/s received", count,
-       bulk_size, window, goodput_mbps);
+    if (nrecv > 0) {
+      goodput_mbps = (double)nrecv * (double)bulk_size * 8 / seconds / 1e6;
+      printf("RESULT {\"rank\": %d, \"version\": %d, \"bulk_messages\": %u, \"bulk_size\": %zu, "
+             "\"window\": %d, \"one_way\": %d, \"seconds\": %.3f, \"goodput_mbps\": %.1f}\n",
+             me, V, nrecv, bulk_size, window, one_way, seconds, goodput_mbps);
+    }
+    ok("bulk: %u messages of %zu bytes %s, %d in flight: %.1f Mbit/s received", count, bulk_size,
+       one_way ? "from rank 1 to rank 0" : "each way", window, goodput_mbps);
   }
 
   /* teardown in NCCL's order: after both sides finished, deregister, close, finalize */
