@@ -16,6 +16,8 @@
  *     real size), a zero-byte message;
  *   - grouped receives (irecv with maxRecvs buffers and tags, several groups in flight,
  *     the sender sending each group's tags in reverse order);
+ *   - sends that arrive before their receives are posted; 4 more comm pairs on the
+ *     device at once with the same tags (nothing may cross comms);
  *   - iflush (a no-op for host memory), a bulk transfer in both directions at once with
  *     8 in flight (NCCL_STEPS) and its goodput, every byte checked;
  *   - closeSend, closeRecv, closeListen, deregMr, finalize (v12).
@@ -598,6 +600,85 @@ int main(int argc, char **argv) {
       }
     }
     ok("grouped receives: %d groups of %d buffers in flight, tags matched within each group", GROUPS, group);
+  }
+
+  /* sends that arrive before their receive is posted (NCCL's LL protocols do this):
+   * post the sends, let them land, only then post the receives */
+  {
+    enum { EARLY = 4 };
+    static const size_t early_len[EARLY] = {1, 1024, 200000, 3u << 20};
+    const size_t slot = 4u << 20;
+    void *sreq[EARLY], *rreq[EARLY];
+    for (int i = 0; i < EARLY; i++) {
+      uint8_t *d = sbuf + (size_t)i * slot;
+      fill(d, early_len[i], me, (uint32_t)(2000 + i));
+      sreq[i] = post_send(sc, d, early_len[i], 20 + i, smh);
+    }
+    barrier();
+    usleep(100000);
+    for (int i = 0; i < EARLY; i++) {
+      void *d = rbuf + (size_t)i * slot;
+      size_t sz = slot;
+      int tag = 20 + i;
+      rreq[i] = post_recv(rc, 1, &d, &sz, &tag, &rmh);
+    }
+    for (int i = 0; i < EARLY; i++) wait_req(sreq[i], NULL, "early isend");
+    for (int i = 0; i < EARLY; i++) {
+      int got = wait_req(rreq[i], NULL, "late irecv");
+      if (got != (int)early_len[i]) fail("late irecv %d: %d bytes, want %zu", i, got, early_len[i]);
+      verify(rbuf + (size_t)i * slot, early_len[i], peer, (uint32_t)(2000 + i), "late receive");
+    }
+    ok("sends of 1 B to 3 MiB that arrived before their receives were posted");
+  }
+
+  /* several comm pairs on one device at once (NCCL opens one per channel and peer): the
+   * same tags on every comm, sent in reverse comm order; nothing crosses over */
+  {
+    enum { K = 4 };
+    char hs[K][NCCL_NET_HANDLE_MAXSIZE], phs[K][NCCL_NET_HANDLE_MAXSIZE];
+    void *lcs[K], *scs[K] = {0}, *rcs[K] = {0}, *smhs[K], *rmhs[K], *sreq[K], *rreq[K];
+    const size_t slot = 256 * 1024;
+    memset(hs, 0, sizeof hs);
+    for (int k = 0; k < K; k++) CHECK(n_listen(dev, hs[k], &lcs[k]));
+    boot_xchg(hs, phs, sizeof hs);
+    double t1 = now_s();
+    for (int left = 2 * K; left > 0;) {
+      left = 0;
+      for (int k = 0; k < K; k++) {
+        if (scs[k] == NULL) CHECK(n_connect(dev, phs[k], &scs[k]));
+        if (rcs[k] == NULL) CHECK(n_accept(lcs[k], &rcs[k]));
+        left += (scs[k] == NULL) + (rcs[k] == NULL);
+      }
+      if (now_s() - t1 > 30) fail("%d more comms: not established in 30 s", K);
+    }
+    for (int k = 0; k < K; k++) {
+      CHECK(n_reg(scs[k], sbuf, send_len, NCCL_PTR_HOST, &smhs[k]));
+      CHECK(n_reg(rcs[k], rbuf, recv_len, NCCL_PTR_HOST, &rmhs[k]));
+      void *d = rbuf + (size_t)k * slot;
+      size_t sz = slot;
+      int tag = 0;
+      rreq[k] = post_recv(rcs[k], 1, &d, &sz, &tag, &rmhs[k]);
+    }
+    for (int k = K - 1; k >= 0; k--) {
+      uint8_t *d = sbuf + (size_t)k * slot;
+      fill(d, 5000 + (size_t)k * 1000, me, (uint32_t)(3000 + k));
+      sreq[k] = post_send(scs[k], d, 5000 + (size_t)k * 1000, 0, smhs[k]);
+    }
+    for (int k = 0; k < K; k++) {
+      wait_req(sreq[k], NULL, "multi-comm isend");
+      int got = wait_req(rreq[k], NULL, "multi-comm irecv");
+      if (got != 5000 + k * 1000) fail("comm %d received %d bytes: another comm's message", k, got);
+      verify(rbuf + (size_t)k * slot, (size_t)got, peer, (uint32_t)(3000 + k), "multi-comm");
+    }
+    barrier();
+    for (int k = 0; k < K; k++) {
+      CHECK(n_dereg(scs[k], smhs[k]));
+      CHECK(n_dereg(rcs[k], rmhs[k]));
+      CHECK(n_close_send(scs[k]));
+      CHECK(n_close_recv(rcs[k]));
+      CHECK(n_close_listen(lcs[k]));
+    }
+    ok("%d more comm pairs on one device: same tags, no message crossed comms; closed", K);
   }
 
   /* a receive much larger than its send, then iflush (host memory: nothing to flush) */
