@@ -113,11 +113,12 @@ def run_pair(
     wrap: Sequence[Sequence[str]] = ((), ()),
     bulk_mib: int = 32,
     extra: Sequence[str] = (),
+    extra_env: dict[str, str] | None = None,
     timeout: float = 150,
 ) -> PairResult:
     """Rank 0 (it listens on the bootstrap address) and rank 1, each prefixed by its
     wrap (e.g. `ip netns exec NS`); both run to the end or are killed at timeout."""
-    env = _env(rel, ifname)
+    env = _env(rel, ifname) | (extra_env or {})
     argv = [
         str(rel / HARNESS), "--version", str(version), "--bootstrap", bootstrap,
         "--ifname", ifname, "--bulk-mib", str(bulk_mib), "--timeout", str(int(timeout) - 10),
@@ -253,3 +254,45 @@ def test_goodput_at_1pct_loss_against_lossless(
         f" ratio {lossy / lossless:.2f}; load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}"
     )
     assert lossy >= LOSS_RATIO_FLOOR * lossless, (lossless, lossy, rates)
+
+
+TRACE_ORDER = [
+    r" init v12$",
+    r" devices -> 1$",
+    r" getProperties dev=0 -> name=lo ",
+    r" listen dev=0 -> listenComm=",
+    r" connect dev=0 listen_id=\d+ -> NULL \(HELLO sent",
+    r" regMr comm=\S+ data=\S+ size=\d+ type=1 -> mhandle=",
+    r" regMr comm=\S+ data=\S+ size=4096 type=2 -> refused",
+    r" isend sendComm=\S+ data=\S+ size=16 tag=0 -> request=\(nil\)",
+    r" irecv recvComm=\S+ n=8 sizes=\[131072(,131072){7}\] tags=\[100,101,(\d+,){5}107\]",
+    r" test request=\S+ \(irecv\) -> done sizes=\[12345\] rc=0",
+    r" iflush recvComm=\S+ n=1 -> request=NULL",
+    r" deregMr comm=",
+    r" closeSend comm=",
+    r" closeRecv comm=",
+    r" closeListen comm=",
+    r" finalize$",
+]
+
+
+def test_trace_records_nccls_calls(release: Path, tmp_path: Path) -> None:
+    """MR_NCCL_TRACE=PREFIX writes every call (the logging shim for recording what a real
+    NCCL does on a GPU machine) to PREFIX.<pid>, one line each, in call order."""
+    trace_env = {"MR_NCCL_TRACE": str(tmp_path / "trace")}
+    res = run_pair(release, 12, "127.0.0.1:5520", "lo", bulk_mib=4, extra_env=trace_env)
+    assert res.ok, res.log()
+    traces = sorted(tmp_path.glob("trace.*"))
+    assert len(traces) == 2, traces
+    for trace in traces:
+        lines = trace.read_text().splitlines()
+        at = 0
+        for want in TRACE_ORDER:
+            hit = next((i for i in range(at, len(lines)) if re.search(want, lines[i])), None)
+            assert hit is not None, f"{trace}: no {want!r} after line {at}:\n" + "\n".join(
+                lines[at : at + 20]
+            )
+            at = hit
+        accepts = [ln for ln in lines if " accept listenComm=" in ln]
+        connects = [ln for ln in lines if re.search(r" connect .* -> sendComm=", ln)]
+        assert len(accepts) == len(connects) == 5, (accepts, connects)  # 1 + 4 more pairs

@@ -50,7 +50,10 @@ static ncclResult_t accept_dc(void *l, void **rc, ncclNetDeviceHandle_v7_t **dc)
   return mrn_accept(l, rc);
 }
 
-static ncclResult_t init_v6(ncclDebugLogger_t log) { return mrn_init(log); }
+static ncclResult_t init_v6(ncclDebugLogger_t log) { return mrn_init(log, 6); }
+static ncclResult_t init_v7(ncclDebugLogger_t log) { return mrn_init(log, 7); }
+static ncclResult_t init_v8(ncclDebugLogger_t log) { return mrn_init(log, 8); }
+static ncclResult_t init_v9(ncclDebugLogger_t log) { return mrn_init(log, 9); }
 
 #define COMMON_PROPS(out, p)        \
   do {                              \
@@ -126,7 +129,7 @@ static ncclResult_t props_v7(int dev, ncclNetProperties_v7_t *out) {
 
 EXPORT const ncclNet_v7_t ncclNetPlugin_v7 = {
     .name = MRN_PLUGIN_NAME,
-    .init = init_v6,
+    .init = init_v7,
     .devices = mrn_devices,
     .getProperties = props_v7,
     .listen = mrn_listen,
@@ -161,7 +164,7 @@ static ncclResult_t props_v8(int dev, ncclNetProperties_v8_t *out) {
 
 EXPORT const ncclNet_v8_t ncclNetPlugin_v8 = {
     .name = MRN_PLUGIN_NAME,
-    .init = init_v6,
+    .init = init_v8,
     .devices = mrn_devices,
     .getProperties = props_v8,
     .listen = mrn_listen,
@@ -196,7 +199,7 @@ static ncclResult_t props_v9(int dev, ncclNetProperties_v9_t *out) {
 
 EXPORT const ncclNet_v9_t ncclNetPlugin_v9 = {
     .name = MRN_PLUGIN_NAME,
-    .init = init_v6,
+    .init = init_v9,
     .devices = mrn_devices,
     .getProperties = props_v9,
     .listen = mrn_listen,
@@ -221,7 +224,12 @@ EXPORT const ncclNet_v9_t ncclNetPlugin_v9 = {
 
 static ncclResult_t init_v10(ncclDebugLogger_t log, ncclProfilerCallback_t prof) {
   (void)prof;
-  return mrn_init(log);
+  return mrn_init(log, 10);
+}
+
+static ncclResult_t init_v11(ncclDebugLogger_t log, ncclProfilerCallback_t prof) {
+  (void)prof;
+  return mrn_init(log, 11);
 }
 
 static ncclResult_t props_v10(int dev, ncclNetProperties_v10_t *out) {
@@ -307,7 +315,7 @@ static ncclResult_t net_path_v11(uint64_t f0, uint64_t f1, ncclNetPath_v11_t *pa
 
 EXPORT const ncclNet_v11_t ncclNetPlugin_v11 = {
     .name = MRN_PLUGIN_NAME,
-    .init = init_v10,
+    .init = init_v11,
     .devices = mrn_devices,
     .getProperties = props_v11,
     .listen = mrn_listen,
@@ -345,7 +353,7 @@ static ncclResult_t init_v12(void **ctx, uint64_t comm_id, ncclNetCommConfig_v12
   if (c == NULL) return ncclSystemError;
   c->comm_id = comm_id;
   c->traffic_class = cfg ? cfg->trafficClass : NCCL_NET_TRAFFIC_CLASS_UNDEF;
-  ncclResult_t r = mrn_init(log);
+  ncclResult_t r = mrn_init(log, 12);
   if (r != ncclSuccess) {
     free(c);
     return r;

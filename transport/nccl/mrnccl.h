@@ -34,6 +34,13 @@
 #define INFO(...) mrn_log(NCCL_LOG_INFO, __FILE__, __LINE__, __VA_ARGS__)
 void mrn_log(ncclDebugLogLevel level, const char *file, int line, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
+/* MR_NCCL_TRACE=PREFIX: every call NCCL makes, one line each, to PREFIX.<pid>. */
+int mrn_tracing(void);
+void mrn_trace(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+#define TRACE(...) \
+  do {                                  \
+    if (mrn_tracing()) mrn_trace(__VA_ARGS__); \
+  } while (0)
 
 struct mrn_dev {
   char name[IF_NAMESIZE];
@@ -87,6 +94,7 @@ struct mrn_op {
 struct mrn_req {
   struct mrn_comm *comm;
   int used, zombie, kind, n, ndone;
+  long polls; /* test() calls before done, for the trace */
   struct mrn_op ops[MRN_MAX_RECVS];
 };
 
@@ -95,6 +103,7 @@ enum { MRN_LISTEN = 1, MRN_SEND = 2, MRN_RECV = 3 };
 struct mrn_comm {
   uint32_t magic;
   int kind;
+  long polls; /* connect/accept calls that returned NULL, for the trace */
   struct mrn_dev *dev;
   uint32_t id;         /* ours: listen id, or send id (in the data tags) */
   uint32_t remote_id;  /* recv comm: the sender's send id; send comm: the receiver's id */
@@ -126,7 +135,7 @@ struct mrn_props {
 };
 
 int mrn_ifname_selected(const char *spec, const char *name);
-ncclResult_t mrn_init(ncclDebugLogger_t log);
+ncclResult_t mrn_init(ncclDebugLogger_t log, int version);
 ncclResult_t mrn_finalize(void);
 ncclResult_t mrn_devices(int *n);
 ncclResult_t mrn_get_properties(int dev, struct mrn_props *p);

@@ -24,6 +24,7 @@
  */
 #include <arpa/inet.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <ifaddrs.h>
 #include <limits.h>
 #include <net/if.h>
@@ -33,6 +34,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -52,6 +54,53 @@ void mrn_log(ncclDebugLogLevel level, const char *file, int line, const char *fm
     logger(level, NCCL_NET | NCCL_INIT, file, line, "NET/metaroce: %s", msg);
   else if (level == NCCL_LOG_WARN || getenv("MR_NCCL_DEBUG") != NULL)
     fprintf(stderr, "NET/metaroce %s: %s\n", level == NCCL_LOG_WARN ? "WARN" : "INFO", msg);
+}
+
+/* ---- the call trace (MR_NCCL_TRACE) ------------------------------------------ */
+
+static int trace_fd = -1;
+static pthread_once_t trace_once = PTHREAD_ONCE_INIT;
+
+static void trace_open(void) {
+  const char *prefix = getenv("MR_NCCL_TRACE");
+  if (prefix == NULL || !*prefix) return;
+  char path[512];
+  snprintf(path, sizeof path, "%s.%d", prefix, (int)getpid());
+  trace_fd = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  if (trace_fd < 0) WARN("MR_NCCL_TRACE: cannot open %s: %s", path, strerror(errno));
+}
+
+int mrn_tracing(void) {
+  pthread_once(&trace_once, trace_open);
+  return trace_fd >= 0;
+}
+
+/* One line per call: seconds (monotonic), thread id, the call and its arguments and
+ * results; a single write(2) each, so threads never interleave inside a line. */
+void mrn_trace(const char *fmt, ...) {
+  char line[1024];
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  int n = snprintf(line, sizeof line, "%ld.%06ld %ld ", (long)t.tv_sec, t.tv_nsec / 1000,
+                   (long)syscall(SYS_gettid));
+  va_list ap;
+  va_start(ap, fmt);
+  n += vsnprintf(line + n, sizeof line - (size_t)n - 1, fmt, ap);
+  va_end(ap);
+  if (n > (int)sizeof line - 2) n = (int)sizeof line - 2;
+  line[n++] = '\n';
+  if (write(trace_fd, line, (size_t)n) < 0) { /* tracing is best effort */
+  }
+}
+
+/* "[a,b,c]" of n numbers, for the trace. */
+static const char *list_of(char *buf, size_t len, int n, const long long *v) {
+  size_t at = 0;
+  buf[at++] = '[';
+  for (int i = 0; i < n && at + 24 < len; i++)
+    at += (size_t)snprintf(buf + at, len - at, "%s%lld", i ? "," : "", v[i]);
+  snprintf(buf + at, len - at, "]");
+  return buf;
 }
 
 static void warn_transport(const char *what, int rc) {
@@ -162,7 +211,8 @@ static void discover(void) {
          spec ? spec : "");
 }
 
-ncclResult_t mrn_init(ncclDebugLogger_t log) {
+ncclResult_t mrn_init(ncclDebugLogger_t log, int version) {
+  TRACE("init v%d", version);
   pthread_mutex_lock(&global_lock);
   if (log != NULL) logger = log;
   if (mr_abi_version() != MR_ABI_VERSION) {
@@ -179,6 +229,7 @@ ncclResult_t mrn_init(ncclDebugLogger_t log) {
 /* v12 finalize: endpoints close once no NCCL communicator holds the plugin and no comm
  * of ours is open on them (older NCCL never finalizes: the process exit does). */
 ncclResult_t mrn_finalize(void) {
+  TRACE("finalize");
   pthread_mutex_lock(&global_lock);
   if (init_refs > 0 && --init_refs == 0) {
     for (int i = 0; i < ndevs; i++) {
@@ -198,6 +249,7 @@ ncclResult_t mrn_finalize(void) {
 ncclResult_t mrn_devices(int *n) {
   if (n == NULL) return ncclInvalidArgument;
   *n = ndevs < 0 ? 0 : ndevs;
+  TRACE("devices -> %d", *n);
   return ncclSuccess;
 }
 
@@ -225,6 +277,8 @@ ncclResult_t mrn_get_properties(int dev, struct mrn_props *p) {
   uint64_t max_msg = mr_max_msg_size();
   p->maxP2pBytes = max_msg < (uint64_t)NCCL_MAX_NET_SIZE_BYTES ? max_msg : NCCL_MAX_NET_SIZE_BYTES;
   p->maxCollBytes = p->maxP2pBytes;
+  TRACE("getProperties dev=%d -> name=%s speed=%d ptrSupport=%d maxRecvs=%d", dev, p->name,
+        p->speed, p->ptrSupport, p->maxRecvs);
   return ncclSuccess;
 }
 
@@ -391,6 +445,7 @@ ncclResult_t mrn_listen(int dev, void *handle, void **listen_comm) {
   memcpy(h->addr, d->self, d->self_len);
   *listen_comm = l;
   res = ncclSuccess;
+  TRACE("listen dev=%d -> listenComm=%p id=%u", dev, (void *)l, l->id);
 out:
   pthread_mutex_unlock(&d->lock);
   return res;
@@ -440,6 +495,8 @@ ncclResult_t mrn_connect(int dev, void *handle, void **send_comm) {
     c->tx_posted = 1;
     h->stage_comm = c;
     res = ncclSuccess;
+    TRACE("connect dev=%d listen_id=%u -> NULL (HELLO sent, pending sendComm %p id=%u)", dev,
+          h->listen_id, (void *)c, c->id);
     goto out;
   }
   if (progress(d) != 0) {
@@ -455,7 +512,10 @@ ncclResult_t mrn_connect(int dev, void *handle, void **send_comm) {
     comm_free(c);
     goto out;
   }
-  if (!c->hs_op.done) goto out;
+  if (!c->hs_op.done) {
+    c->polls++;
+    goto out;
+  }
   if (c->hs_op.err != 0 || c->welcome.magic != MRN_WELCOME_MAGIC) {
     WARN("connect: handshake failed: %s", c->hs_op.err ? mr_strerror(c->hs_op.err) : "bad WELCOME");
     res = c->hs_op.err ? result_of(c->hs_op.err) : ncclInternalError;
@@ -467,6 +527,8 @@ ncclResult_t mrn_connect(int dev, void *handle, void **send_comm) {
   c->hs_posted = 0;
   h->stage_comm = NULL;
   *send_comm = c;
+  TRACE("connect dev=%d listen_id=%u -> sendComm=%p id=%u after %ld NULL polls", dev,
+        h->listen_id, (void *)c, c->id, c->polls);
 out:
   pthread_mutex_unlock(&d->lock);
   return res;
@@ -483,7 +545,10 @@ ncclResult_t mrn_accept(void *listen_comm, void **recv_comm) {
     res = ncclSystemError;
     goto out;
   }
-  if (!l->hs_op.done) goto out;
+  if (!l->hs_op.done) {
+    l->polls++;
+    goto out;
+  }
   struct mrn_hello hello = l->hello;
   int err = l->hs_op.err;
   l->hs_posted = 0;
@@ -512,6 +577,9 @@ ncclResult_t mrn_accept(void *listen_comm, void **recv_comm) {
   }
   *recv_comm = c;
   res = ncclSuccess;
+  TRACE("accept listenComm=%p -> recvComm=%p id=%u (sender id %u) after %ld NULL polls",
+        (void *)l, (void *)c, c->id, c->remote_id, l->polls);
+  l->polls = 0;
 out:
   pthread_mutex_unlock(&d->lock);
   return res;
@@ -523,6 +591,7 @@ ncclResult_t mrn_reg_mr(void *comm, void *data, size_t size, int type, void **mh
   if (comm_of(comm, 0) == NULL || mhandle == NULL) return ncclInvalidArgument;
   *mhandle = NULL;
   if (type != NCCL_PTR_HOST) {
+    TRACE("regMr comm=%p data=%p size=%zu type=%d -> refused", comm, data, size, type);
     WARN("regMr: memory type %d refused: this transport moves host memory only "
          "(ptrSupport=NCCL_PTR_HOST, no GPUDirect); NCCL stages GPU buffers through host memory",
          type);
@@ -535,6 +604,8 @@ ncclResult_t mrn_reg_mr(void *comm, void *data, size_t size, int type, void **mh
   mr->base = (uintptr_t)data;
   mr->size = size;
   *mhandle = mr;
+  TRACE("regMr comm=%p data=%p size=%zu type=%d -> mhandle=%p", comm, data, size, type,
+        (void *)mr);
   return ncclSuccess;
 }
 
@@ -550,6 +621,7 @@ ncclResult_t mrn_dereg_mr(void *comm, void *mhandle) {
   (void)comm;
   struct mrn_mr *mr = mhandle;
   if (mr == NULL || mr->magic != MRN_MR_MAGIC) return ncclInvalidArgument;
+  TRACE("deregMr comm=%p mhandle=%p", comm, mhandle);
   mr->magic = 0;
   free(mr);
   return ncclSuccess;
@@ -616,6 +688,8 @@ ncclResult_t mrn_isend(void *send_comm, void *data, size_t size, int tag, void *
   *request = r;
 out:
   pthread_mutex_unlock(&d->lock);
+  TRACE("isend sendComm=%p data=%p size=%zu tag=%d -> request=%p", send_comm, data, size, tag,
+        *request);
   return res;
 }
 
@@ -663,6 +737,15 @@ ncclResult_t mrn_irecv(void *recv_comm, int n, void **data, size_t *sizes, int *
   *request = r;
 out:
   pthread_mutex_unlock(&d->lock);
+  if (mrn_tracing()) {
+    long long v[MRN_MAX_RECVS];
+    char sz[256], tg[256];
+    for (int i = 0; i < n; i++) v[i] = (long long)sizes[i];
+    list_of(sz, sizeof sz, n, v);
+    for (int i = 0; i < n; i++) v[i] = tags[i];
+    mrn_trace("irecv recvComm=%p n=%d sizes=%s tags=%s -> request=%p", recv_comm, n, sz,
+              list_of(tg, sizeof tg, n, v), *request);
+  }
   return res;
 }
 
@@ -671,6 +754,7 @@ ncclResult_t mrn_iflush(void *recv_comm, int n, void **data, int *sizes, void **
   (void)recv_comm, (void)n, (void)data, (void)sizes, (void)mhandles;
   /* host memory: the received bytes are visible once test() says done */
   if (request) *request = NULL;
+  TRACE("iflush recvComm=%p n=%d -> request=NULL", recv_comm, n);
   return ncclSuccess;
 }
 
@@ -694,7 +778,10 @@ ncclResult_t mrn_test(void *request, int *done, int *sizes) {
     goto out;
   }
   reap_zombies(c);
-  if (r->ndone < r->n) goto out;
+  if (r->ndone < r->n) {
+    r->polls++;
+    goto out;
+  }
   for (int i = 0; i < r->n; i++) {
     struct mrn_op *op = &r->ops[i];
     if (op->err == -MR_ETRUNC) {
@@ -710,6 +797,16 @@ ncclResult_t mrn_test(void *request, int *done, int *sizes) {
   }
   *done = 1;
   r->used = 0;
+  if (mrn_tracing()) {
+    long long v[MRN_MAX_RECVS];
+    char sz[256];
+    for (int i = 0; i < r->n; i++)
+      v[i] = (long long)(r->kind == MRN_SEND ? r->ops[i].cap : r->ops[i].len);
+    mrn_trace("test request=%p (%s) -> done sizes=%s rc=%d after %ld polls", request,
+              r->kind == MRN_SEND ? "isend" : "irecv", list_of(sz, sizeof sz, r->n, v), res,
+              r->polls);
+  }
+  r->polls = 0;
 out:
   pthread_mutex_unlock(&d->lock);
   return res;
@@ -720,6 +817,9 @@ out:
 static ncclResult_t close_comm(void *comm, int kind) {
   struct mrn_comm *c = comm_of(comm, kind);
   if (c == NULL) return ncclInvalidArgument;
+  TRACE("%s comm=%p id=%u", kind == MRN_SEND ? "closeSend" : kind == MRN_RECV ? "closeRecv"
+                                                                             : "closeListen",
+        comm, c->id);
   struct mrn_dev *d = c->dev;
   pthread_mutex_lock(&d->lock);
   if (kind == MRN_SEND) {
