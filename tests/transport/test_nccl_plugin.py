@@ -124,12 +124,17 @@ def run_pair(
         "--ifname", ifname, "--bulk-mib", str(bulk_mib), "--timeout", str(int(timeout) - 10),
         *extra,
     ]  # fmt: skip
+    return launch([[*wrap[r], *argv, "--rank", str(r)] for r in (0, 1)], env, timeout)
+
+
+def launch(cmds: Sequence[Sequence[str]], env: dict[str, str], timeout: float) -> PairResult:
+    """Rank 0's command, then (0.2 s later, once it listens) rank 1's."""
     files = [tempfile.TemporaryFile("w+") for _ in range(2)]  # noqa: SIM115
     procs = []
     for r in (0, 1):
         procs.append(
             subprocess.Popen(
-                [*wrap[r], *argv, "--rank", str(r)],
+                list(cmds[r]),
                 stdout=files[r],
                 stderr=subprocess.STDOUT,
                 text=True,
@@ -264,7 +269,7 @@ TRACE_ORDER = [
     r" connect dev=0 listen_id=\d+ -> NULL \(HELLO sent",
     r" regMr comm=\S+ data=\S+ size=\d+ type=1 -> mhandle=",
     r" regMr comm=\S+ data=\S+ size=4096 type=2 -> refused",
-    r" isend sendComm=\S+ data=\S+ size=16 tag=0 -> request=\(nil\)",
+    r" isend sendComm=\S+ data=\S+ size=16 tag=0 mhandle=\S+ -> request=\(nil\)",
     r" irecv recvComm=\S+ n=8 sizes=\[131072(,131072){7}\] tags=\[100,101,(\d+,){5}107\]",
     r" test request=\S+ \(irecv\) -> done sizes=\[12345\] rc=0",
     r" iflush recvComm=\S+ n=1 -> request=NULL",
@@ -296,3 +301,36 @@ def test_trace_records_nccls_calls(release: Path, tmp_path: Path) -> None:
         accepts = [ln for ln in lines if " accept listenComm=" in ln]
         connects = [ln for ln in lines if re.search(r" connect .* -> sendComm=", ln)]
         assert len(accepts) == len(connects) == 5, (accepts, connects)  # 1 + 4 more pairs
+
+
+def _record(release: Path, tmp_path: Path, version: int, port: int) -> list[Path]:
+    """Run the harness on loopback with MR_NCCL_TRACE; the traces of rank 0 and rank 1."""
+    trace_env = {"MR_NCCL_TRACE": str(tmp_path / "trace")}
+    res = run_pair(release, version, f"127.0.0.1:{port}", "lo", bulk_mib=8, extra_env=trace_env)
+    assert res.ok, res.log()
+    pids = [re.search(r"\(pid (\d+)\)", out) for out in res.outputs]
+    assert all(pids), res.log()
+    return [tmp_path / f"trace.{m.group(1)}" for m in pids if m]
+
+
+@pytest.mark.parametrize("version", [12, 6], ids=["v12", "v6"])
+def test_replay_of_a_recorded_trace_across_the_fabric_at_1pct(
+    clean: fabric.MultipathFabric, release: Path, tmp_path: Path, version: int
+) -> None:
+    """--replay: each rank makes the recorded calls again, in order, with its own objects,
+    and test must report the recorded sizes. A trace recorded from a real NCCL on a GPU
+    machine (MR_NCCL_TRACE) replays the same way; here the harness's own is recorded."""
+    traces = _record(release, tmp_path, version, 5530 + version)
+    clean.set_impairments([fabric.Impairment("drop", 100)])
+    wrap = (clean.exec_argv("b", []), clean.exec_argv("a", []))
+    addr = f"{clean.ctl_addr('b')}:{5540 + version}"
+    cmds = [
+        [*wrap[r], str(release / HARNESS), "--rank", str(r), "--bootstrap", addr,
+         "--ifname", "data", "--replay", str(traces[r]), "--timeout", "140"]
+        for r in (0, 1)
+    ]  # fmt: skip
+    res = launch(cmds, _env(release, "data"), 150)
+    assert res.returncodes == (0, 0), res.log()
+    for r, out in enumerate(res.outputs):
+        assert f"ALL OK rank {r} v{version} replay" in out, res.log()
+        assert "sizes as recorded" in out, res.log()

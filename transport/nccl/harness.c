@@ -387,11 +387,310 @@ static void *post_recv(void *rc, int n, void **data, size_t *sizes, int *tags, v
   }
 }
 
+/* ---- replay of a recorded call trace (MR_NCCL_TRACE) ------------------------------- */
+
+/* Pointers in a trace name objects of the recording process; these tables map them to
+ * this process's objects. Small linear tables: a trace has few comms and regions. */
+struct map {
+  uint64_t key;
+  void *val;
+};
+struct table {
+  struct map *e;
+  int n, cap;
+};
+
+static void *tget(struct table *t, uint64_t key) {
+  for (int i = t->n - 1; i >= 0; i--)
+    if (t->e[i].key == key) return t->e[i].val;
+  return NULL;
+}
+
+static void tput(struct table *t, uint64_t key, void *val) {
+  for (int i = 0; i < t->n; i++)
+    if (t->e[i].key == key) {
+      t->e[i].val = val;
+      return;
+    }
+  if (t->n == t->cap) {
+    t->cap = t->cap ? 2 * t->cap : 64;
+    t->e = realloc(t->e, (size_t)t->cap * sizeof *t->e);
+    if (t->e == NULL) fail("out of memory");
+  }
+  t->e[t->n++] = (struct map){key, val};
+}
+
+static uint64_t num_at(const char *line, const char *key) {
+  const char *p = strstr(line, key);
+  if (p == NULL) fail("trace line without %s: %s", key, line);
+  p += strlen(key);
+  if (strncmp(p, "(nil)", 5) == 0) return 0;
+  return strtoull(p, NULL, 0);
+}
+
+static int list_at(const char *line, const char *key, uint64_t *out, int max) {
+  const char *p = strstr(line, key);
+  if (p == NULL || p[strlen(key)] != '[') fail("trace line without %s[...]: %s", key, line);
+  p += strlen(key) + 1;
+  int n = 0;
+  while (*p && *p != ']' && n < max) {
+    char *end;
+    out[n++] = strtoull(p, &end, 0);
+    p = *end == ',' ? end + 1 : end;
+  }
+  return n;
+}
+
+struct region {
+  uint64_t base; /* the recording's address */
+  uint8_t *buf;  /* ours */
+  size_t size;
+  void *mh;      /* ours */
+};
+
+struct pending {
+  uint32_t listen_id; /* the peer's */
+  char handle[NCCL_NET_HANDLE_MAXSIZE];
+  void *sc;
+};
+
+static struct pending *pend;
+static int npend;
+static int replay_dev;
+
+static void poll_connects(void) {
+  for (int i = 0; i < npend; i++)
+    if (pend[i].sc == NULL) CHECK(n_connect(replay_dev, pend[i].handle, &pend[i].sc));
+}
+
+static void *ptr_in(struct table *regions, uint64_t mh, uint64_t data, uint64_t size) {
+  if (mh == 0) {
+    static uint8_t scratch[64];
+    if (size > 0) fail("replay: %llu bytes without a memory handle", (unsigned long long)size);
+    return scratch;
+  }
+  struct region *r = tget(regions, mh);
+  if (r == NULL) fail("replay: memory handle %#llx never registered", (unsigned long long)mh);
+  if (data < r->base || data + size > r->base + r->size) fail("replay: buffer outside its region");
+  return r->buf + (data - r->base);
+}
+
+/* Replays this rank's trace: the same calls in the same order, with this process's
+ * objects; blocking points (connect/accept returning a comm, test returning done) wait
+ * while polling every pending connect, as NCCL's setup and proxy loops do. The sizes
+ * test reports must equal the recorded ones. */
+static void replay(const char *path, const char *ifname, const char *bootstrap) {
+  FILE *f = fopen(path, "r");
+  if (f == NULL) fail("--replay %s: %s", path, strerror(errno));
+  char **lines = NULL;
+  int nlines = 0, cap = 0;
+  char buf[2048];
+  while (fgets(buf, sizeof buf, f)) {
+    buf[strcspn(buf, "\n")] = 0;
+    if (nlines == cap) {
+      cap = cap ? 2 * cap : 1024;
+      lines = realloc(lines, (size_t)cap * sizeof *lines);
+      if (lines == NULL) fail("out of memory");
+    }
+    lines[nlines++] = strdup(buf);
+  }
+  fclose(f);
+
+  CHECK(n_init());
+  int ndev = 0;
+  CHECK(n_devices(&ndev));
+  replay_dev = -1;
+  for (int d = 0; d < ndev && replay_dev < 0; d++) {
+    struct props p;
+    CHECK(n_props(d, &p));
+    if (ifname == NULL || strcmp(p.name, ifname) == 0) replay_dev = d;
+  }
+  if (replay_dev < 0) fail("replay: no device %s", ifname ? ifname : "");
+
+  /* every listen up front, the handles swapped in one go (NCCL's bootstrap carries them) */
+  struct table lcs = {0}, scs = {0}, rcs = {0}, regions = {0}, reqs = {0};
+  uint32_t nl = 0;
+  struct { uint32_t id; char h[NCCL_NET_HANDLE_MAXSIZE]; } *mine = NULL, *theirs = NULL;
+  for (int i = 0; i < nlines; i++) {
+    if (!strstr(lines[i], " listen dev=")) continue;
+    mine = realloc(mine, (nl + 1) * sizeof *mine);
+    memset(&mine[nl], 0, sizeof *mine);
+    void *lc = NULL;
+    CHECK(n_listen(replay_dev, mine[nl].h, &lc));
+    mine[nl].id = (uint32_t)num_at(lines[i], " id=");
+    tput(&lcs, num_at(lines[i], "listenComm="), lc);
+    nl++;
+  }
+  boot_open(bootstrap, 30);
+  uint32_t their_n = 0;
+  boot_xchg(&nl, &their_n, sizeof nl);
+  theirs = calloc(their_n ? their_n : 1, sizeof *theirs);
+  if (write(boot_fd, mine, nl * sizeof *mine) != (ssize_t)(nl * sizeof *mine)) fail("bootstrap write");
+  for (size_t got = 0; got < their_n * sizeof *theirs;) {
+    ssize_t n = read(boot_fd, (char *)theirs + got, their_n * sizeof *theirs - got);
+    if (n <= 0) fail("bootstrap read: peer gone");
+    got += (size_t)n;
+  }
+
+  long calls = 0, sends = 0, recvs = 0, tests = 0;
+  int inits = 0;
+  for (int i = 0; i < nlines; i++) {
+    const char *l = lines[i];
+    const char *call = strchr(l, ' ');
+    call = call ? strchr(call + 1, ' ') : NULL;
+    if (call == NULL) continue;
+    call++;
+    calls++;
+    if (!strncmp(call, "init ", 5)) {
+      if (inits++ > 0) CHECK(n_init());
+    } else if (!strncmp(call, "devices", 7)) {
+      int n = 0;
+      CHECK(n_devices(&n));
+    } else if (!strncmp(call, "getProperties", 13)) {
+      struct props p;
+      CHECK(n_props(replay_dev, &p));
+    } else if (!strncmp(call, "listen ", 7)) {
+      /* done up front */
+    } else if (!strncmp(call, "connect ", 8) && strstr(call, "-> NULL")) {
+      uint32_t id = (uint32_t)num_at(call, "listen_id=");
+      pend = realloc(pend, (size_t)(npend + 1) * sizeof *pend);
+      struct pending *p = &pend[npend++];
+      memset(p, 0, sizeof *p);
+      p->listen_id = id;
+      uint32_t k = 0;
+      while (k < their_n && theirs[k].id != id) k++;
+      if (k == their_n) fail("replay: the peer's trace has no listen id %u", id);
+      memcpy(p->handle, theirs[k].h, sizeof p->handle);
+      CHECK(n_connect(replay_dev, p->handle, &p->sc));
+    } else if (!strncmp(call, "connect ", 8)) {
+      uint32_t id = (uint32_t)num_at(call, "listen_id=");
+      struct pending *p = NULL;
+      for (int k = 0; k < npend; k++)
+        if (pend[k].listen_id == id) p = &pend[k];
+      if (p == NULL) fail("replay: connect to %u completes before it started", id);
+      for (double t0 = now_s(); p->sc == NULL; poll_connects())
+        if (now_s() - t0 > 60) fail("replay line %d: connect not done in 60 s", i + 1);
+      tput(&scs, num_at(call, "sendComm="), p->sc);
+      p->listen_id = UINT32_MAX;
+    } else if (!strncmp(call, "accept ", 7)) {
+      void *lc = tget(&lcs, num_at(call, "listenComm=")), *rc = NULL;
+      if (lc == NULL) fail("replay line %d: unknown listenComm", i + 1);
+      for (double t0 = now_s(); rc == NULL; poll_connects()) {
+        CHECK(n_accept(lc, &rc));
+        if (now_s() - t0 > 60) fail("replay line %d: accept not done in 60 s", i + 1);
+      }
+      tput(&rcs, num_at(call, "recvComm="), rc);
+    } else if (!strncmp(call, "regMr ", 6)) {
+      uint64_t comm = num_at(call, "comm="), size = num_at(call, "size=");
+      int type = (int)num_at(call, "type=");
+      void *c = tget(&scs, comm);
+      if (c == NULL) c = tget(&rcs, comm);
+      if (c == NULL) fail("replay line %d: regMr on an unknown comm", i + 1);
+      struct region *r = calloc(1, sizeof *r);
+      r->base = num_at(call, "data=");
+      r->size = size;
+      r->buf = aligned_alloc(4096, (size + 4095) / 4096 * 4096 + 4096);
+      if (r->buf == NULL) fail("out of memory");
+      memset(r->buf, 0xa5, size);
+      ncclResult_t res = n_reg(c, r->buf, size, type, &r->mh);
+      if (strstr(call, "-> refused")) {
+        if (res == ncclSuccess) fail("replay line %d: regMr type %d accepted, recorded refused", i + 1, type);
+        free(r->buf);
+        free(r);
+      } else {
+        CHECK(res);
+        tput(&regions, num_at(call, "mhandle="), r);
+      }
+    } else if (!strncmp(call, "deregMr ", 8)) {
+      uint64_t comm = num_at(call, "comm=");
+      struct region *r = tget(&regions, num_at(call, "mhandle="));
+      void *c = tget(&scs, comm);
+      if (c == NULL) c = tget(&rcs, comm);
+      if (r == NULL || c == NULL) fail("replay line %d: deregMr of unknown objects", i + 1);
+      CHECK(n_dereg(c, r->mh));
+    } else if (!strncmp(call, "isend ", 6)) {
+      uint64_t q = num_at(call, "request=");
+      if (q == 0) continue; /* NCCL retried it later: that later call is its own line */
+      void *sc = tget(&scs, num_at(call, "sendComm="));
+      uint64_t size = num_at(call, "size=");
+      struct region *r = tget(&regions, num_at(call, "mhandle="));
+      void *data = ptr_in(&regions, num_at(call, "mhandle="), num_at(call, "data="), size);
+      if (sc == NULL) fail("replay line %d: isend on an unknown comm", i + 1);
+      tput(&reqs, q, post_send(sc, data, size, (int)(int64_t)num_at(call, "tag="), r ? r->mh : NULL));
+      sends++;
+    } else if (!strncmp(call, "irecv ", 6)) {
+      uint64_t q = num_at(call, "-> request=");
+      if (q == 0) continue;
+      void *rc = tget(&rcs, num_at(call, "recvComm="));
+      if (rc == NULL) fail("replay line %d: irecv on an unknown comm", i + 1);
+      uint64_t sz[MAX_GROUP], tg[MAX_GROUP], da[MAX_GROUP], mh[MAX_GROUP];
+      int n = list_at(call, "sizes=", sz, MAX_GROUP);
+      if (list_at(call, "tags=", tg, MAX_GROUP) != n || list_at(call, "datas=", da, MAX_GROUP) != n ||
+          list_at(call, "mhandles=", mh, MAX_GROUP) != n)
+        fail("replay line %d: irecv lists differ in length", i + 1);
+      void *data[MAX_GROUP], *mhs[MAX_GROUP];
+      size_t sizes[MAX_GROUP];
+      int tags[MAX_GROUP];
+      for (int k = 0; k < n; k++) {
+        struct region *r = tget(&regions, mh[k]);
+        data[k] = ptr_in(&regions, mh[k], da[k], sz[k]);
+        mhs[k] = r ? r->mh : NULL;
+        sizes[k] = sz[k];
+        tags[k] = (int)(int64_t)tg[k];
+      }
+      tput(&reqs, q, post_recv(rc, n, data, sizes, tags, mhs));
+      recvs++;
+    } else if (!strncmp(call, "test ", 5)) {
+      uint64_t q = num_at(call, "request=");
+      void *req = tget(&reqs, q);
+      if (req == NULL) fail("replay line %d: test of an unknown request", i + 1);
+      uint64_t want[MAX_GROUP];
+      int n = list_at(call, "sizes=", want, MAX_GROUP), got[MAX_GROUP], done = 0;
+      for (double t0 = now_s(); !done;) {
+        CHECK(n_test(req, &done, got));
+        if (!done) {
+          poll_connects();
+          sched_yield();
+          if (now_s() - t0 > 60) fail("replay line %d: request not done in 60 s", i + 1);
+        }
+      }
+      for (int k = 0; k < n; k++)
+        if ((uint64_t)got[k] != want[k])
+          fail("replay line %d: test size[%d] %d, recorded %llu", i + 1, k, got[k], (unsigned long long)want[k]);
+      tput(&reqs, q, NULL);
+      tests++;
+    } else if (!strncmp(call, "iflush ", 7)) {
+      void *rc = tget(&rcs, num_at(call, "recvComm=")), *req = NULL, *nomh = NULL;
+      static uint8_t scratch[8];
+      void *d = scratch;
+      int zero = 0;
+      CHECK(n_iflush(rc, 1, &d, &zero, &nomh, &req));
+      if (req != NULL) wait_req(req, NULL, "iflush");
+    } else if (!strncmp(call, "closeSend ", 10)) {
+      CHECK(n_close_send(tget(&scs, num_at(call, "comm="))));
+    } else if (!strncmp(call, "closeRecv ", 10)) {
+      CHECK(n_close_recv(tget(&rcs, num_at(call, "comm="))));
+    } else if (!strncmp(call, "closeListen ", 12)) {
+      CHECK(n_close_listen(tget(&lcs, num_at(call, "comm="))));
+    } else if (!strncmp(call, "finalize", 8)) {
+      barrier(); /* the peer may still need our acknowledgements */
+      if (V >= 12) CHECK(N12->finalize(ctx));
+    } else {
+      fail("replay line %d: unknown call: %s", i + 1, call);
+    }
+  }
+  barrier();
+  ok("replayed %s: %ld calls (%d listens, %ld isends, %ld irecvs, %ld completed tests, sizes as recorded)",
+     path, calls, nl, sends, recvs, tests);
+  printf("ALL OK rank %d v%d replay\n", rank, V);
+}
+
 /* ---- the contract ------------------------------------------------------------------- */
 
 int main(int argc, char **argv) {
   const char *plugin = getenv("NCCL_NET_PLUGIN") ? getenv("NCCL_NET_PLUGIN") : "metaroce";
-  const char *bootstrap = NULL, *ifname = NULL;
+  const char *bootstrap = NULL, *ifname = NULL, *replay_path = NULL;
+  int version_given = 0;
   int timeout = 180;
   size_t bulk_size = 1 << 20, bulk_total = 256u << 20;
   int window = 8, one_way = 0;
@@ -401,11 +700,12 @@ int main(int argc, char **argv) {
       {"plugin", 1, 0, 'p'}, {"version", 1, 0, 'V'}, {"rank", 1, 0, 'r'},
       {"bootstrap", 1, 0, 'b'}, {"ifname", 1, 0, 'i'}, {"bulk-size", 1, 0, 's'},
       {"bulk-mib", 1, 0, 'm'}, {"window", 1, 0, 'w'}, {"timeout", 1, 0, 't'},
-      {"one-way", 0, 0, 'o'}, {"verbose", 0, 0, 'v'}, {0, 0, 0, 0}};
+      {"one-way", 0, 0, 'o'}, {"replay", 1, 0, 'R'}, {"verbose", 0, 0, 'v'}, {0, 0, 0, 0}};
   for (int c; (c = getopt_long(argc, argv, "", opts, NULL)) != -1;) {
     switch (c) {
       case 'p': plugin = optarg; break;
-      case 'V': V = atoi(optarg); break;
+      case 'V': V = atoi(optarg), version_given = 1; break;
+      case 'R': replay_path = optarg; break;
       case 'r': rank = atoi(optarg); break;
       case 'b': bootstrap = optarg; break;
       case 'i': ifname = optarg; break;
@@ -422,13 +722,25 @@ int main(int argc, char **argv) {
       window > MAXREQ || bulk_size < 1 || bulk_size > (1u << 30)) {
     fprintf(stderr, "usage: %s --rank 0|1 --bootstrap IP:PORT [--version 6..12] [--ifname NAME]\n"
                     "  [--plugin NAME] [--bulk-size BYTES] [--bulk-mib MIB] [--window 1..32]\n"
-                    "  [--one-way] [--timeout S] [--verbose]\n", argv[0]);
+                    "  [--one-way] [--replay TRACE] [--timeout S] [--verbose]\n", argv[0]);
     return 2;
   }
   signal(SIGALRM, SIG_DFL);
   alarm((unsigned)timeout); /* a hang is a failure, not a stuck CI job */
   int me = rank, peer = 1 - rank;
 
+  if (replay_path != NULL && !version_given) { /* the version the recorded NCCL loaded */
+    FILE *f = fopen(replay_path, "r");
+    char line[256];
+    while (f && fgets(line, sizeof line, f)) {
+      char *p = strstr(line, " init v");
+      if (p) {
+        V = atoi(p + 7);
+        break;
+      }
+    }
+    if (f) fclose(f);
+  }
   /* load the way NCCL does: the name on the loader's path, then the versioned symbol */
   char lib[256];
   snprintf(lib, sizeof lib, "libnccl-net-%s.so", plugin);
@@ -439,7 +751,11 @@ int main(int argc, char **argv) {
   P = dlsym(h, sym);
   if (P == NULL) fail("%s has no %s", lib, sym);
   if (strcmp(N6->name, plugin) != 0) fail("%s names itself %s", sym, N6->name);
-  ok("loaded %s from %s", sym, lib);
+  ok("loaded %s from %s (pid %d)", sym, lib, (int)getpid());
+  if (replay_path != NULL) {
+    replay(replay_path, ifname, bootstrap);
+    return 0;
+  }
 
   CHECK(n_init());
   int ndev = 0;

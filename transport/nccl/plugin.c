@@ -688,8 +688,8 @@ ncclResult_t mrn_isend(void *send_comm, void *data, size_t size, int tag, void *
   *request = r;
 out:
   pthread_mutex_unlock(&d->lock);
-  TRACE("isend sendComm=%p data=%p size=%zu tag=%d -> request=%p", send_comm, data, size, tag,
-        *request);
+  TRACE("isend sendComm=%p data=%p size=%zu tag=%d mhandle=%p -> request=%p", send_comm, data,
+        size, tag, mhandle, *request);
   return res;
 }
 
@@ -739,12 +739,16 @@ out:
   pthread_mutex_unlock(&d->lock);
   if (mrn_tracing()) {
     long long v[MRN_MAX_RECVS];
-    char sz[256], tg[256];
+    char sz[256], tg[256], da[512], mh[512];
     for (int i = 0; i < n; i++) v[i] = (long long)sizes[i];
     list_of(sz, sizeof sz, n, v);
     for (int i = 0; i < n; i++) v[i] = tags[i];
-    mrn_trace("irecv recvComm=%p n=%d sizes=%s tags=%s -> request=%p", recv_comm, n, sz,
-              list_of(tg, sizeof tg, n, v), *request);
+    list_of(tg, sizeof tg, n, v);
+    for (int i = 0; i < n; i++) v[i] = (long long)(uintptr_t)data[i];
+    list_of(da, sizeof da, n, v);
+    for (int i = 0; i < n; i++) v[i] = (long long)(uintptr_t)(mhandles ? mhandles[i] : NULL);
+    mrn_trace("irecv recvComm=%p n=%d sizes=%s tags=%s datas=%s mhandles=%s -> request=%p",
+              recv_comm, n, sz, tg, da, list_of(mh, sizeof mh, n, v), *request);
   }
   return res;
 }
