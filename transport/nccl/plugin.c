@@ -437,12 +437,14 @@ ncclResult_t mrn_listen(int dev, void *handle, void **listen_comm) {
     comm_free(l);
     goto out;
   }
-  struct mrn_handle *h = handle;
-  memset(h, 0, sizeof *h); /* the stage fields travel zeroed */
-  h->magic = MRN_HANDLE_MAGIC;
-  h->listen_id = l->id;
-  h->addr_len = (uint32_t)d->self_len;
-  memcpy(h->addr, d->self, d->self_len);
+  /* NCCL's handle buffer has no alignment promise: fill a copy, then copy it out */
+  struct mrn_handle h;
+  memset(&h, 0, sizeof h); /* the stage fields travel zeroed */
+  h.magic = MRN_HANDLE_MAGIC;
+  h.listen_id = l->id;
+  h.addr_len = (uint32_t)d->self_len;
+  memcpy(h.addr, d->self, d->self_len);
+  memcpy(handle, &h, sizeof h);
   *listen_comm = l;
   res = ncclSuccess;
   TRACE("listen dev=%d -> listenComm=%p id=%u", dev, (void *)l, l->id);
@@ -455,8 +457,10 @@ out:
  * WELCOME arrived. The pending comm lives in the handle, which NCCL keeps between calls. */
 ncclResult_t mrn_connect(int dev, void *handle, void **send_comm) {
   struct mrn_dev *d = dev_at(dev);
-  struct mrn_handle *h = handle;
-  if (d == NULL || h == NULL || send_comm == NULL) return ncclInvalidArgument;
+  if (d == NULL || handle == NULL || send_comm == NULL) return ncclInvalidArgument;
+  /* NCCL's handle buffer has no alignment promise: work on a copy, store the stage back */
+  struct mrn_handle hcopy, *h = &hcopy;
+  memcpy(h, handle, sizeof *h);
   *send_comm = NULL;
   if (h->magic != MRN_HANDLE_MAGIC || h->addr_len > sizeof h->addr) {
     WARN("connect: not a metaroce handle (magic %#x): the peer runs another net plugin?", h->magic);
@@ -530,6 +534,8 @@ ncclResult_t mrn_connect(int dev, void *handle, void **send_comm) {
   TRACE("connect dev=%d listen_id=%u -> sendComm=%p id=%u after %ld NULL polls", dev,
         h->listen_id, (void *)c, c->id, c->polls);
 out:
+  memcpy((char *)handle + offsetof(struct mrn_handle, stage_comm), &h->stage_comm,
+         sizeof h->stage_comm);
   pthread_mutex_unlock(&d->lock);
   return res;
 }
