@@ -5,10 +5,11 @@ NCCL's call contract between two processes: it dlopens the plugin by the
 NCCL_NET_PLUGIN naming rule, calls one ncclNetPlugin_v<N> through that version's own
 struct, and checks non-blocking connect/accept, host-only registration, 32 requests in
 flight, grouped receives with tags, receives larger than their sends, sends that arrive
-before their receives, several comms on one device, iflush, the closes, and a bulk
-transfer in both directions with every byte checked. Here: every version on loopback, and
-v12 and v6 across the two namespaces of the multipath fabric, lossless and at 1% random
-loss. hack/build-transport.sh builds the plugin and the harness.
+before their receives, several comms on one device, two threads at once, iflush, the
+closes, and a bulk transfer in both directions with every byte checked. Here: every
+version on loopback, and v12 and v6 across the two namespaces of the multipath fabric,
+lossless and at 1% random loss; a recorded call trace replayed; the same under ASan/UBSan.
+hack/build-transport.sh builds the plugin and the harness.
 """
 
 from __future__ import annotations
@@ -183,7 +184,7 @@ def test_conformance_on_loopback(release: Path, version: int) -> None:
     for out in res.outputs:
         for step in ("connect polled", "the 33rd refused", "grouped receives", "reports 12345",
                      "before their receives were posted", "no message crossed comms",
-                     "closeSend"):  # fmt: skip
+                     "threads at once", "closeSend"):  # fmt: skip
             assert step in out, f"{step!r} missing:\n{out}"
     props = [r for r in res.results if "speed" in r]
     assert props and all(r["name"] == "lo" and r["ptrSupport"] == 1 for r in props), props
@@ -300,7 +301,7 @@ def test_trace_records_nccls_calls(release: Path, tmp_path: Path) -> None:
             at = hit
         accepts = [ln for ln in lines if " accept listenComm=" in ln]
         connects = [ln for ln in lines if re.search(r" connect .* -> sendComm=", ln)]
-        assert len(accepts) == len(connects) == 5, (accepts, connects)  # 1 + 4 more pairs
+        assert len(accepts) == len(connects) == 7, (accepts, connects)  # 1 + 4 + 2 threads
 
 
 def _record(release: Path, tmp_path: Path, version: int, port: int) -> list[Path]:

@@ -17,7 +17,8 @@
  *   - grouped receives (irecv with maxRecvs buffers and tags, several groups in flight,
  *     the sender sending each group's tags in reverse order);
  *   - sends that arrive before their receives are posted; 4 more comm pairs on the
- *     device at once with the same tags (nothing may cross comms);
+ *     device at once with the same tags (nothing may cross comms); 2 threads driving
+ *     their own comm pairs at once (NCCL's proxy threads);
  *   - iflush (a no-op for host memory), a bulk transfer in both directions at once with
  *     8 in flight (NCCL_STEPS) and its goodput, every byte checked;
  *   - closeSend, closeRecv, closeListen, deregMr, finalize (v12).
@@ -31,6 +32,7 @@
 #include <getopt.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <pthread.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -390,7 +392,8 @@ static void *post_recv(void *rc, int n, void **data, size_t *sizes, int *tags, v
 /* ---- replay of a recorded call trace (MR_NCCL_TRACE) ------------------------------- */
 
 /* Pointers in a trace name objects of the recording process; these tables map them to
- * this process's objects. Small linear tables: a trace has few comms and regions. */
+ * this process's objects, updated in trace order (a freed object's address is reused by
+ * a later one). Listens, made up front, go by their id. Small linear tables. */
 struct map {
   uint64_t key;
   void *val;
@@ -508,7 +511,7 @@ static void replay(const char *path, const char *ifname, const char *bootstrap) 
   if (replay_dev < 0) fail("replay: no device %s", ifname ? ifname : "");
 
   /* every listen up front, the handles swapped in one go (NCCL's bootstrap carries them) */
-  struct table lcs = {0}, scs = {0}, rcs = {0}, regions = {0}, reqs = {0};
+  struct table lcs = {0}, comms = {0}, regions = {0}, reqs = {0}; /* comms: send and recv */
   uint32_t nl = 0;
   struct { uint32_t id; char h[NCCL_NET_HANDLE_MAXSIZE]; } *mine = NULL, *theirs = NULL;
   for (int i = 0; i < nlines; i++) {
@@ -518,7 +521,7 @@ static void replay(const char *path, const char *ifname, const char *bootstrap) 
     void *lc = NULL;
     CHECK(n_listen(replay_dev, mine[nl].h, &lc));
     mine[nl].id = (uint32_t)num_at(lines[i], " id=");
-    tput(&lcs, num_at(lines[i], "listenComm="), lc);
+    tput(&lcs, mine[nl].id, lc); /* by id: a freed comm's address comes back later */
     nl++;
   }
   boot_open(bootstrap, 30);
@@ -570,21 +573,20 @@ static void replay(const char *path, const char *ifname, const char *bootstrap) 
       if (p == NULL) fail("replay: connect to %u completes before it started", id);
       for (double t0 = now_s(); p->sc == NULL; poll_connects())
         if (now_s() - t0 > 60) fail("replay line %d: connect not done in 60 s", i + 1);
-      tput(&scs, num_at(call, "sendComm="), p->sc);
+      tput(&comms, num_at(call, "sendComm="), p->sc);
       p->listen_id = UINT32_MAX;
     } else if (!strncmp(call, "accept ", 7)) {
-      void *lc = tget(&lcs, num_at(call, "listenComm=")), *rc = NULL;
+      void *lc = tget(&lcs, num_at(call, "listen_id=")), *rc = NULL;
       if (lc == NULL) fail("replay line %d: unknown listenComm", i + 1);
       for (double t0 = now_s(); rc == NULL; poll_connects()) {
         CHECK(n_accept(lc, &rc));
         if (now_s() - t0 > 60) fail("replay line %d: accept not done in 60 s", i + 1);
       }
-      tput(&rcs, num_at(call, "recvComm="), rc);
+      tput(&comms, num_at(call, "recvComm="), rc);
     } else if (!strncmp(call, "regMr ", 6)) {
       uint64_t comm = num_at(call, "comm="), size = num_at(call, "size=");
       int type = (int)num_at(call, "type=");
-      void *c = tget(&scs, comm);
-      if (c == NULL) c = tget(&rcs, comm);
+      void *c = tget(&comms, comm);
       if (c == NULL) fail("replay line %d: regMr on an unknown comm", i + 1);
       struct region *r = calloc(1, sizeof *r);
       r->base = num_at(call, "data=");
@@ -604,14 +606,13 @@ static void replay(const char *path, const char *ifname, const char *bootstrap) 
     } else if (!strncmp(call, "deregMr ", 8)) {
       uint64_t comm = num_at(call, "comm=");
       struct region *r = tget(&regions, num_at(call, "mhandle="));
-      void *c = tget(&scs, comm);
-      if (c == NULL) c = tget(&rcs, comm);
+      void *c = tget(&comms, comm);
       if (r == NULL || c == NULL) fail("replay line %d: deregMr of unknown objects", i + 1);
       CHECK(n_dereg(c, r->mh));
     } else if (!strncmp(call, "isend ", 6)) {
       uint64_t q = num_at(call, "request=");
       if (q == 0) continue; /* NCCL retried it later: that later call is its own line */
-      void *sc = tget(&scs, num_at(call, "sendComm="));
+      void *sc = tget(&comms, num_at(call, "sendComm="));
       uint64_t size = num_at(call, "size=");
       struct region *r = tget(&regions, num_at(call, "mhandle="));
       void *data = ptr_in(&regions, num_at(call, "mhandle="), num_at(call, "data="), size);
@@ -621,7 +622,7 @@ static void replay(const char *path, const char *ifname, const char *bootstrap) 
     } else if (!strncmp(call, "irecv ", 6)) {
       uint64_t q = num_at(call, "-> request=");
       if (q == 0) continue;
-      void *rc = tget(&rcs, num_at(call, "recvComm="));
+      void *rc = tget(&comms, num_at(call, "recvComm="));
       if (rc == NULL) fail("replay line %d: irecv on an unknown comm", i + 1);
       uint64_t sz[MAX_GROUP], tg[MAX_GROUP], da[MAX_GROUP], mh[MAX_GROUP];
       int n = list_at(call, "sizes=", sz, MAX_GROUP);
@@ -660,18 +661,20 @@ static void replay(const char *path, const char *ifname, const char *bootstrap) 
       tput(&reqs, q, NULL);
       tests++;
     } else if (!strncmp(call, "iflush ", 7)) {
-      void *rc = tget(&rcs, num_at(call, "recvComm=")), *req = NULL, *nomh = NULL;
+      void *rc = tget(&comms, num_at(call, "recvComm=")), *req = NULL, *nomh = NULL;
       static uint8_t scratch[8];
       void *d = scratch;
       int zero = 0;
       CHECK(n_iflush(rc, 1, &d, &zero, &nomh, &req));
       if (req != NULL) wait_req(req, NULL, "iflush");
     } else if (!strncmp(call, "closeSend ", 10)) {
-      CHECK(n_close_send(tget(&scs, num_at(call, "comm="))));
+      CHECK(n_close_send(tget(&comms, num_at(call, "comm="))));
+      tput(&comms, num_at(call, "comm="), NULL);
     } else if (!strncmp(call, "closeRecv ", 10)) {
-      CHECK(n_close_recv(tget(&rcs, num_at(call, "comm="))));
+      CHECK(n_close_recv(tget(&comms, num_at(call, "comm="))));
+      tput(&comms, num_at(call, "comm="), NULL);
     } else if (!strncmp(call, "closeListen ", 12)) {
-      CHECK(n_close_listen(tget(&lcs, num_at(call, "comm="))));
+      CHECK(n_close_listen(tget(&lcs, num_at(call, " id="))));
     } else if (!strncmp(call, "finalize", 8)) {
       barrier(); /* the peer may still need our acknowledgements */
       if (V >= 12) CHECK(N12->finalize(ctx));
@@ -683,6 +686,40 @@ static void replay(const char *path, const char *ifname, const char *bootstrap) 
   ok("replayed %s: %ld calls (%d listens, %ld isends, %ld irecvs, %ld completed tests, sizes as recorded)",
      path, calls, nl, sends, recvs, tests);
   printf("ALL OK rank %d v%d replay\n", rank, V);
+}
+
+/* One thread driving one comm pair, as NCCL's proxy threads do (one per GPU of a
+ * process, on a shared device): `window` in flight, every byte checked. */
+struct worker {
+  void *sc, *rc, *smh, *rmh;
+  uint8_t *sbuf, *rbuf;
+  int me, peer, id;
+  size_t size;
+  uint32_t count;
+};
+
+static void *worker_run(void *arg) {
+  struct worker *w = arg;
+  enum { WIN = 4 };
+  void *sreq[WIN], *rreq[WIN];
+  for (uint32_t base = 0; base < w->count; base += WIN) {
+    uint32_t n = w->count - base < WIN ? w->count - base : WIN;
+    for (uint32_t k = 0; k < n; k++) {
+      void *d = w->rbuf + k * w->size;
+      size_t sz = w->size;
+      int tag = 1;
+      rreq[k] = post_recv(w->rc, 1, &d, &sz, &tag, &w->rmh);
+      fill(w->sbuf + k * w->size, w->size, w->me, (uint32_t)(w->id * 100000 + base + k));
+      sreq[k] = post_send(w->sc, w->sbuf + k * w->size, w->size, 1, w->smh);
+    }
+    for (uint32_t k = 0; k < n; k++) {
+      wait_req(sreq[k], NULL, "thread isend");
+      int got = wait_req(rreq[k], NULL, "thread irecv");
+      if (got != (int)w->size) fail("thread %d: %d bytes", w->id, got);
+      verify(w->rbuf + k * w->size, w->size, w->peer, (uint32_t)(w->id * 100000 + base + k), "thread");
+    }
+  }
+  return NULL;
 }
 
 /* ---- the contract ------------------------------------------------------------------- */
@@ -995,6 +1032,47 @@ int main(int argc, char **argv) {
       CHECK(n_close_listen(lcs[k]));
     }
     ok("%d more comm pairs on one device: same tags, no message crossed comms; closed", K);
+  }
+
+  /* two threads at once, each on its own comm pair of the same device */
+  {
+    enum { T = 2 };
+    char hs[T][NCCL_NET_HANDLE_MAXSIZE], phs[T][NCCL_NET_HANDLE_MAXSIZE];
+    void *lcs[T];
+    struct worker w[T];
+    memset(hs, 0, sizeof hs);
+    memset(w, 0, sizeof w);
+    for (int k = 0; k < T; k++) CHECK(n_listen(dev, hs[k], &lcs[k]));
+    boot_xchg(hs, phs, sizeof hs);
+    double t1 = now_s();
+    for (int left = 2 * T; left > 0;) {
+      left = 0;
+      for (int k = 0; k < T; k++) {
+        if (w[k].sc == NULL) CHECK(n_connect(dev, phs[k], &w[k].sc));
+        if (w[k].rc == NULL) CHECK(n_accept(lcs[k], &w[k].rc));
+        left += (w[k].sc == NULL) + (w[k].rc == NULL);
+      }
+      if (now_s() - t1 > 30) fail("thread comms: not established in 30 s");
+    }
+    pthread_t th[T];
+    for (int k = 0; k < T; k++) {
+      w[k].id = k, w[k].me = me, w[k].peer = peer, w[k].size = 256 * 1024, w[k].count = 32;
+      w[k].sbuf = sbuf + (size_t)k * (4u << 20);
+      w[k].rbuf = rbuf + (size_t)k * (4u << 20);
+      CHECK(n_reg(w[k].sc, w[k].sbuf, 4u << 20, NCCL_PTR_HOST, &w[k].smh));
+      CHECK(n_reg(w[k].rc, w[k].rbuf, 4u << 20, NCCL_PTR_HOST, &w[k].rmh));
+      if (pthread_create(&th[k], NULL, worker_run, &w[k]) != 0) fail("pthread_create");
+    }
+    for (int k = 0; k < T; k++) pthread_join(th[k], NULL);
+    barrier();
+    for (int k = 0; k < T; k++) {
+      CHECK(n_dereg(w[k].sc, w[k].smh));
+      CHECK(n_dereg(w[k].rc, w[k].rmh));
+      CHECK(n_close_send(w[k].sc));
+      CHECK(n_close_recv(w[k].rc));
+      CHECK(n_close_listen(lcs[k]));
+    }
+    ok("%d threads at once, each with its own comm pair on the device: 32 x 256 KiB each way, checked", T);
   }
 
   /* a receive much larger than its send, then iflush (host memory: nothing to flush) */

@@ -583,8 +583,8 @@ ncclResult_t mrn_accept(void *listen_comm, void **recv_comm) {
   }
   *recv_comm = c;
   res = ncclSuccess;
-  TRACE("accept listenComm=%p -> recvComm=%p id=%u (sender id %u) after %ld NULL polls",
-        (void *)l, (void *)c, c->id, c->remote_id, l->polls);
+  TRACE("accept listenComm=%p listen_id=%u -> recvComm=%p id=%u (sender id %u) after %ld NULL"
+        " polls", (void *)l, l->id, (void *)c, c->id, c->remote_id, l->polls);
   l->polls = 0;
 out:
   pthread_mutex_unlock(&d->lock);
