@@ -18,6 +18,7 @@ import json
 import os
 import re
 import signal
+import socket
 import statistics
 import subprocess
 import tempfile
@@ -82,6 +83,14 @@ def release() -> Path:
         if not need.exists():
             pytest.fail(f"{BUILD_SCRIPT} succeeded but {need} is missing")
     return rel
+
+
+def _loopback() -> str:
+    """A free TCP port on loopback for the bootstrap (other jobs on this host use
+    loopback too; the fabric's namespaces are private)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
 
 
 def _env(rel: Path, ifname: str) -> dict[str, str]:
@@ -179,7 +188,7 @@ def test_plugin_exports_the_seven_versions_and_needs_only_libc(release: Path) ->
 
 @pytest.mark.parametrize("version", VERSIONS, ids=[f"v{v}" for v in VERSIONS])
 def test_conformance_on_loopback(release: Path, version: int) -> None:
-    res = run_pair(release, version, f"127.0.0.1:{5500 + version}", "lo", bulk_mib=16)
+    res = run_pair(release, version, _loopback(), "lo", bulk_mib=16)
     assert res.ok, res.log()
     for out in res.outputs:
         for step in ("connect polled", "the 33rd refused", "grouped receives", "reports 12345",
@@ -193,7 +202,7 @@ def test_conformance_on_loopback(release: Path, version: int) -> None:
 def test_no_device_fails_loudly(release: Path) -> None:
     env = _env(release, "nosuchdev0")
     out = subprocess.run(
-        [str(release / HARNESS), "--rank", "0", "--bootstrap", "127.0.0.1:5499", "--timeout", "20"],
+        [str(release / HARNESS), "--rank", "0", "--bootstrap", _loopback(), "--timeout", "20"],
         capture_output=True, text=True, env=env, timeout=30,
     )  # fmt: skip
     assert out.returncode != 0
@@ -286,7 +295,7 @@ def test_trace_records_nccls_calls(release: Path, tmp_path: Path) -> None:
     """MR_NCCL_TRACE=PREFIX writes every call (the logging shim for recording what a real
     NCCL does on a GPU machine) to PREFIX.<pid>, one line each, in call order."""
     trace_env = {"MR_NCCL_TRACE": str(tmp_path / "trace")}
-    res = run_pair(release, 12, "127.0.0.1:5520", "lo", bulk_mib=4, extra_env=trace_env)
+    res = run_pair(release, 12, _loopback(), "lo", bulk_mib=4, extra_env=trace_env)
     assert res.ok, res.log()
     traces = sorted(tmp_path.glob("trace.*"))
     assert len(traces) == 2, traces
@@ -304,10 +313,10 @@ def test_trace_records_nccls_calls(release: Path, tmp_path: Path) -> None:
         assert len(accepts) == len(connects) == 7, (accepts, connects)  # 1 + 4 + 2 threads
 
 
-def _record(release: Path, tmp_path: Path, version: int, port: int) -> list[Path]:
+def _record(release: Path, tmp_path: Path, version: int) -> list[Path]:
     """Run the harness on loopback with MR_NCCL_TRACE; the traces of rank 0 and rank 1."""
     trace_env = {"MR_NCCL_TRACE": str(tmp_path / "trace")}
-    res = run_pair(release, version, f"127.0.0.1:{port}", "lo", bulk_mib=8, extra_env=trace_env)
+    res = run_pair(release, version, _loopback(), "lo", bulk_mib=8, extra_env=trace_env)
     assert res.ok, res.log()
     pids = [re.search(r"\(pid (\d+)\)", out) for out in res.outputs]
     assert all(pids), res.log()
@@ -321,7 +330,7 @@ def test_replay_of_a_recorded_trace_across_the_fabric_at_1pct(
     """--replay: each rank makes the recorded calls again, in order, with its own objects,
     and test must report the recorded sizes. A trace recorded from a real NCCL on a GPU
     machine (MR_NCCL_TRACE) replays the same way; here the harness's own is recorded."""
-    traces = _record(release, tmp_path, version, 5530 + version)
+    traces = _record(release, tmp_path, version)
     clean.set_impairments([fabric.Impairment("drop", 100)])
     wrap = (clean.exec_argv("b", []), clean.exec_argv("a", []))
     addr = f"{clean.ctl_addr('b')}:{5540 + version}"
@@ -353,14 +362,15 @@ def test_under_asan_and_ubsan(release: Path, tmp_path: Path) -> None:
         "UBSAN_OPTIONS": "print_stacktrace=1",
     }
     harness = str(san / "nccl-net-check")
-    traces = _record(release, tmp_path, 12, 5550)
+    traces = _record(release, tmp_path, 12)
     runs = {
         "v12": [["--version", "12", "--bulk-mib", "8"]] * 2,
         "v6": [["--version", "6", "--bulk-mib", "8"]] * 2,
         "replay": [["--replay", str(t)] for t in traces],
     }
-    for port, (name, args) in enumerate(runs.items(), start=5560):
-        cmds = [[harness, "--rank", str(r), "--bootstrap", f"127.0.0.1:{port}",
+    for name, args in runs.items():
+        addr = _loopback()
+        cmds = [[harness, "--rank", str(r), "--bootstrap", addr,
                  "--ifname", "lo", "--timeout", "200", *args[r]] for r in (0, 1)]  # fmt: skip
         res = launch(cmds, env, 240)
         assert res.ok, f"{name}:\n{res.log()}"
