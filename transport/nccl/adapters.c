@@ -1,7 +1,7 @@
 /*
  * The exported plugin structs, ncclNetPlugin_v12 down to ncclNetPlugin_v6, each an
  * adapter from that version's signatures (nccl/net.h) onto plugin.c. NCCL looks for
- * the newest version it knows, so one library serves NCCL 2.12 (v6) to 2.28+ (v12).
+ * the newest version it knows, so one library serves every NCCL that loads v6 or newer.
  * What differs between versions: the properties struct, int vs size_t sizes (v6..v8
  * take int: NCCL keeps them under MAX_NET_SIZE), device-offload handles (v7+, ignored:
  * netDeviceType is HOST), the comm config and profiler handles (v10+, ignored), the
@@ -339,7 +339,7 @@ EXPORT const ncclNet_v11_t ncclNetPlugin_v11 = {
 
 /* ---- v12 ---------------------------------------------------------------------- */
 
-/* The per-communicator context NCCL 2.28+ threads through listen/connect/finalize. */
+/* The per-communicator context NCCL (v12) threads through listen/connect/finalize. */
 struct mrn_ctx {
   uint64_t comm_id;
   int traffic_class;
