@@ -4,6 +4,7 @@
 //!   metaroce-perf server [--config K=V,...] [--once]
 //!   metaroce-perf client SERVER [--mode bw|lat] [--size BYTES] [--duration SECONDS]
 //!                        [--iters N] [--window N] [--config K=V,...] [--json]
+//!                        [--bins-ms MS]   (bw: goodput per MS-long bin, in the JSON)
 //!
 //! SERVER is the address the server prints (udp://IP:PORT or IP:PORT).
 
@@ -33,10 +34,11 @@ struct Args {
     config: Option<String>,
     json: bool,
     once: bool,
+    bins_ms: u64,
 }
 
 fn usage() -> String {
-    "usage: metaroce-perf server [--config K=V,...] [--once]\n       metaroce-perf client SERVER [--mode bw|lat] [--size BYTES] [--duration SECONDS] [--iters N] [--window N] [--config K=V,...] [--json]".into()
+    "usage: metaroce-perf server [--config K=V,...] [--once]\n       metaroce-perf client SERVER [--mode bw|lat] [--size BYTES] [--duration SECONDS] [--iters N] [--window N] [--config K=V,...] [--json] [--bins-ms MS]".into()
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -56,6 +58,7 @@ fn parse_args() -> Result<Args, String> {
         config: None,
         json: false,
         once: false,
+        bins_ms: 0,
     };
     while let Some(k) = it.next() {
         let mut val = |name: &str| it.next().ok_or_else(|| format!("{name} needs a value"));
@@ -77,6 +80,12 @@ fn parse_args() -> Result<Args, String> {
             }
             "--config" => a.config = Some(val("--config")?),
             "--json" => a.json = true,
+            "--bins-ms" => {
+                a.bins_ms = val("--bins-ms")?.parse().map_err(|_| "--bins-ms: milliseconds, e.g. 10".to_string())?;
+                if a.bins_ms == 0 || a.bins_ms > 60_000 {
+                    return Err("--bins-ms: 1..60000 milliseconds per bin".into());
+                }
+            }
             "--once" => a.once = true,
             s if !s.starts_with('-') && a.role == "client" && a.server.is_none() => a.server = Some(s.to_string()),
             s => return Err(format!("unknown argument {s:?}\n{}", usage())),
@@ -182,6 +191,18 @@ fn server(a: &Args) -> Result<(), String> {
     }
 }
 
+/// A message of `size` bytes completed now: add it to its bin (bytes per bin).
+fn count_bin(bins: &mut Vec<u64>, bin_ms: u64, start: Instant, size: usize) {
+    if bin_ms == 0 {
+        return;
+    }
+    let i = (start.elapsed().as_millis() as u64 / bin_ms) as usize;
+    if bins.len() <= i {
+        bins.resize(i + 1, 0);
+    }
+    bins[i] += size as u64;
+}
+
 fn percentile(sorted: &[f64], q: f64) -> f64 {
     if sorted.is_empty() {
         return 0.0;
@@ -208,6 +229,7 @@ fn client(a: &Args) -> Result<bool, String> {
     let deadline = start + Duration::from_secs_f64(a.duration);
     let mut msgs = 0u64;
     let mut lat_us: Vec<f64> = Vec::new();
+    let mut bins: Vec<u64> = Vec::new();
     if a.mode == "bw" {
         let mut inflight = 0usize;
         while Instant::now() < deadline {
@@ -221,11 +243,13 @@ fn client(a: &Args) -> Result<bool, String> {
             }
             inflight -= 1;
             msgs += 1;
+            count_bin(&mut bins, a.bins_ms, start, a.size);
         }
         while inflight > 0 {
             wait_one(&t, &mut pending, |c| c.kind == OpKind::Send && c.context == 10, Duration::from_secs(30))?;
             inflight -= 1;
             msgs += 1;
+            count_bin(&mut bins, a.bins_ms, start, a.size);
         }
     } else {
         for _ in 0..a.iters {
@@ -264,9 +288,10 @@ fn client(a: &Args) -> Result<bool, String> {
             })
             .collect();
         println!(
-            "{{\"mode\":\"{}\",\"size\":{},\"messages\":{msgs},\"bytes\":{bytes},\"seconds\":{secs:.6},\"goodput_gbps\":{gbps:.6},\"packets_sent\":{sent},\"retransmits\":{retx},\"spurious_retransmits\":{spurious},\"ce_marks\":{ce},\"rtos\":{},\"spurious_rtos\":{},\"tlps\":{},\"lat_p50_us\":{:.2},\"lat_p99_us\":{:.2},\"tx_dropped_local\":{},\"sock_rcvbuf\":{},\"sock_sndbuf\":{},\"paths\":[{}]}}",
+            "{{\"mode\":\"{}\",\"size\":{},\"messages\":{msgs},\"bytes\":{bytes},\"seconds\":{secs:.6},\"goodput_gbps\":{gbps:.6},\"goodput_mbit\":{:.3},\"packets_sent\":{sent},\"retransmits\":{retx},\"spurious_retransmits\":{spurious},\"ce_marks\":{ce},\"rtos\":{},\"spurious_rtos\":{},\"tlps\":{},\"lat_p50_us\":{:.2},\"lat_p99_us\":{:.2},\"tx_dropped_local\":{},\"sock_rcvbuf\":{},\"sock_sndbuf\":{},\"paths\":[{}],\"bins_mbps\":[{}]}}",
             a.mode,
             a.size,
+            gbps * 1000.0,
             c1.rtos - c0.rtos,
             c1.spurious_rtos - c0.spurious_rtos,
             c1.tlps - c0.tlps,
@@ -275,7 +300,8 @@ fn client(a: &Args) -> Result<bool, String> {
             io.tx_dropped_local,
             io.rcvbuf,
             io.sndbuf,
-            path_json.join(",")
+            path_json.join(","),
+            bins.iter().map(|b| format!("{:.1}", *b as f64 * 8.0 / (a.bins_ms as f64 * 1000.0))).collect::<Vec<_>>().join(",")
         );
     } else {
         println!("---------------------------------------------------------------------------------------");

@@ -1,0 +1,194 @@
+"""The transport's fault scenarios on the namespace fabric, measured with metaroce-perf.
+
+  link-failure  one of the 4 links drops everything from t=1 s to t=2 s: goodput in 10 ms
+                bins against the 4-link lossless figure (the bins before the cut); when it
+                is back at 0.7 and whether it holds 500 ms; whether the link carries data
+                again within 1 s after it recovers
+  ce-share      5% of the ECT packets on one link marked CE: that link's share of the bytes
+                (an even share is 1/4) and the total against a lossless run
+  lossless      lossless runs, spurious retransmits among them
+
+Run as root (network namespaces). Figures print as a table and go to --json.
+
+  .venv/bin/python bench/transport_scenarios.py [--runs 3] [--perf PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "transport" / "fabric"))
+
+import fabric  # noqa: E402
+
+CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "metaroce"
+PERF = CACHE / "transport/target/release/metaroce-perf"
+BIN_MS = 10
+
+
+def loadavg() -> str:
+    return Path("/proc/loadavg").read_text().split(" ", 3)[0]
+
+
+def perf(
+    fab: fabric.MultipathFabric, perf_bin: str, seconds: float, size: int = 1 << 18
+) -> dict[str, Any]:
+    """One bw run B -> A (server in A, client in B): the client's JSON, bins included."""
+    a, b = fab.data_addr("a"), fab.data_addr("b")
+    server = [perf_bin, "server", "--once", "--config", f"addr={a},ports=30000-30100"]
+    srv = subprocess.Popen(
+        fab.exec_argv("a", server),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert srv.stdout is not None
+        line = srv.stdout.readline()
+        if "udp://" not in line:
+            raise RuntimeError(f"metaroce-perf server did not start: {line!r}")
+        url = line.split()[-1]
+        argv = [perf_bin, "client", url, "--duration", str(seconds), "--size", str(size)]
+        argv += ["--window", "32", "--json", "--bins-ms", str(BIN_MS)]
+        argv += ["--config", f"addr={b},ports=31000-31100"]
+        p = subprocess.run(
+            fab.exec_argv("b", argv), capture_output=True, text=True, timeout=seconds + 60
+        )
+    finally:
+        if srv.poll() is None:
+            srv.kill()
+        srv.wait()
+    lines = [x for x in p.stdout.splitlines() if x.startswith("{")]
+    if p.returncode != 0 or not lines:
+        raise RuntimeError(f"metaroce-perf client failed ({p.returncode}): {p.stderr[-800:]}")
+    doc: dict[str, Any] = json.loads(lines[-1])
+    return doc
+
+
+def link_rx(fab: fabric.MultipathFabric) -> dict[str, int]:
+    """Bytes each data link delivered into A (the receiving side of perf)."""
+    links = fab.counters()["a"]["links"]
+    return {d: int(links[d]["rx_bytes"]) for d in fab.data_links()}
+
+
+def recovery(bins: list[float], cut_bin: int, lossless: float) -> dict[str, Any]:
+    """After the cut: the first bin from which goodput is back at 0.7 of lossless, and
+    whether the next 500 ms of bins hold it (their median and minimum)."""
+    hold = 500 // BIN_MS
+    back = next((i for i in range(cut_bin, len(bins)) if bins[i] >= 0.7 * lossless), None)
+    out: dict[str, Any] = {"back_after_ms": None if back is None else (back - cut_bin) * BIN_MS}
+    if back is not None:
+        window = bins[back : back + hold]
+        out["hold_median"] = statistics.median(window) / lossless if window else None
+        out["hold_min"] = min(window) / lossless if window else None
+        out["held"] = bool(window) and statistics.median(window) >= 0.7 * lossless
+    return out
+
+
+def link_failure(fab: fabric.MultipathFabric, perf_bin: str) -> dict[str, Any]:
+    marks: dict[str, dict[str, int]] = {}
+
+    def impair() -> None:
+        time.sleep(1.0)
+        fab.set_impairments([fabric.Impairment("blackhole", link=1)])
+        time.sleep(1.0)
+        fab.set_impairments([])
+        marks["restored"] = link_rx(fab)
+        time.sleep(1.0)
+        marks["restored+1s"] = link_rx(fab)
+
+    t = threading.Thread(target=impair)
+    t.start()
+    doc = perf(fab, perf_bin, 4.0)
+    t.join()
+    bins = [float(x) for x in doc["bins_mbps"]]
+    cut = 1000 // BIN_MS
+    before = bins[20:cut]  # skip the first 200 ms (slow start)
+    lossless = statistics.median(before)
+    link1 = fab.data_links()[1]
+    used_again = marks["restored+1s"][link1] - marks["restored"][link1]
+    return {
+        "lossless_bins_mbit": lossless,
+        "first_10ms_bin_after_cut": bins[cut] / lossless if len(bins) > cut else None,
+        **recovery(bins, cut, lossless),
+        "link_bytes_in_1s_after_recovery": used_again,
+        "goodput_mbit": doc["goodput_gbps"] * 1000,
+        "rtos": doc["rtos"],
+        "retransmits": doc["retransmits"],
+    }
+
+
+def ce_share(fab: fabric.MultipathFabric, perf_bin: str, lossless_mbit: float) -> dict[str, Any]:
+    fab.set_impairments([fabric.Impairment("ce", 500, link=2)])
+    before = link_rx(fab)
+    doc = perf(fab, perf_bin, 3.0)
+    after = link_rx(fab)
+    fab.set_impairments([])
+    moved = {d: after[d] - before[d] for d in after}
+    total = sum(moved.values())
+    marked = fab.data_links()[2]
+    return {
+        "marked_link_share": moved[marked] / total if total else None,
+        "shares": {d: round(v / total, 3) for d, v in moved.items()} if total else {},
+        "goodput_mbit": doc["goodput_gbps"] * 1000,
+        "ratio_to_lossless": doc["goodput_gbps"] * 1000 / lossless_mbit,
+        "ce_marks": doc["ce_marks"],
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=3, help="runs of each scenario")
+    ap.add_argument("--perf", default=str(PERF), help="the metaroce-perf binary")
+    ap.add_argument("--json", default="/tmp/transport_scenarios.json")
+    args = ap.parse_args()
+    if not Path(args.perf).is_file():
+        print(f"{args.perf} does not exist: run bash hack/build-transport.sh", file=sys.stderr)
+        return 2
+    report: dict[str, Any] = {"loadavg_start": loadavg(), "runs": []}
+    with fabric.MultipathFabric(name=fabric.new_name("mrfs")) as fab:
+        cap = fab.capacity(seconds=3.0)
+        capacity = float(cap["total_mbit"])
+        report["capacity_mbit"] = capacity
+        for i in range(args.runs):
+            lossless = perf(fab, args.perf, 4.0)
+            g = lossless["goodput_gbps"] * 1000
+            row = {
+                "lossless_mbit": g,
+                "lossless_of_capacity": g / capacity,
+                "spurious_of_sent": lossless["spurious_retransmits"] / lossless["packets_sent"],
+                "link_failure": link_failure(fab, args.perf),
+                "ce_share": ce_share(fab, args.perf, g),
+                "loadavg": loadavg(),
+            }
+            report["runs"].append(row)
+            lf, ce = row["link_failure"], row["ce_share"]
+            print(
+                f"run {i + 1}: lossless {g:.0f} Mbit/s = {g / capacity:.3f} of capacity "
+                f"{capacity:.0f}, spurious {row['spurious_of_sent']:.4f} | link down: first bin "
+                f"{lf['first_10ms_bin_after_cut']:.2f}, back to 0.7 after "
+                f"{lf['back_after_ms']} ms, "
+                f"500 ms median {lf.get('hold_median') or 0:.2f}, link used again "
+                f"{lf['link_bytes_in_1s_after_recovery'] >> 10} KiB | CE 5%: share "
+                f"{ce['marked_link_share']:.3f}, total {ce['ratio_to_lossless']:.3f} of lossless"
+                f" | load {row['loadavg']}",
+                flush=True,
+            )
+    report["loadavg_end"] = loadavg()
+    Path(args.json).write_text(json.dumps(report, indent=1))
+    print(f"report: {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
