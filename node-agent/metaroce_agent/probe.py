@@ -5,8 +5,10 @@ small TCP side channel (`<ip>:<port>` on the RDMA netdev) in the annotation
 `metaroce.io/probe-endpoint`, and probes the next `peersPerNode` nodes after itself in
 name order (a ring, so every node is probed by as many as it probes). A probe session:
 
-1. TCP connect; both sides create a PD, CQs, an MR, one RC and one UD queue pair on the
-   network's RDMA device and exchange GID, QP numbers and PSNs as JSON lines;
+1. TCP connect; the server opens with a nonce, the client answers with its hello (GID,
+   QP numbers, PSN) MACed with the network's probe key (`probe_auth`), and only then does
+   the server create a PD, CQs, an MR, one RC and one UD queue pair on the network's
+   RDMA device and answer with its own MACed hello, which the client checks;
 2. RC: the client sends small messages, the server echoes each: round-trip times give
    reachability and latency percentiles (RC retransmits, so it hides loss);
 3. UD: the client sends a burst of datagrams, the server counts what arrived; the
@@ -16,7 +18,9 @@ name order (a ring, so every node is probed by as many as it probes). A probe se
 The server runs each session in a thread of its own, at most MAX_SESSIONS at once (the
 next client is told "busy"), and ends a session at SESSION_SECONDS whatever the peer does:
 a peer that vanishes or an idle client on the port cannot make the node look
-unreachable to everyone. (The side channel is not authenticated yet: see issue 15.)
+unreachable to everyone, and a client without the key gets nothing but an error. Without
+a key file (the operator has not mounted the network's probe Secret) the channel is
+unauthenticated and the agent says so at start.
 
 Latencies and loss go to metrics every round; the NodeState's probe summary is replaced
 only when the verdict (healthy, and each peer's pass/fail) changes. The operator, not
@@ -35,9 +39,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from metaroce_agent.kube import KubeClient, KubeError, cluster_path
+from metaroce_agent.probe_auth import ProbeKeyError, load_key, new_nonce, sign, verify
 from metaroce_agent.report import now
 from metaroce_api import ProbePeer, ProbeSummary, constants
 from metaroce_api.base import parse_duration
@@ -232,11 +238,13 @@ class ProbeServer:
         local: Callable[[], Local | None],
         *,
         endpoint: Callable[[Local], Any] | None = None,
+        key: Callable[[], bytes | None] = lambda: None,
         max_sessions: int = MAX_SESSIONS,
         session_seconds: float = SESSION_SECONDS,
     ) -> None:
         self.local = local
         self.endpoint = endpoint or Endpoint
+        self.key = key
         self.max_sessions = max_sessions
         self.session_seconds = session_seconds
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -248,6 +256,7 @@ class ProbeServer:
         self._slots = threading.BoundedSemaphore(max_sessions)
         self.sessions = 0
         self.refused = 0
+        self.auth_failures = 0
 
     def serve(self) -> None:
         while not self._stop.is_set():
@@ -280,17 +289,36 @@ class ProbeServer:
     def _session(self, conn: socket.socket, deadline: float) -> bool:
         """One session; True when the peer said bye, False at the deadline."""
         f = conn.makefile("r")
+        server_nonce = new_nonce()
+        _send(conn, {"v": 2, "nonce": server_nonce})
         hello = _recv(f)
+        key = self.key()
+        client_nonce = str(hello.get("nonce") or "")
+        if key is not None and not (
+            len(client_nonce) >= 32
+            and verify(key, hello.get("mac"), "client", server_nonce, client_nonce, hello)
+        ):
+            self.auth_failures += 1
+            log.warning("probe session: a client failed authentication")
+            _send(conn, {"error": "authentication failed: the client's probe key differs "
+                                  "from this node's (the network's probe Secret)"})  # fmt: skip
+            return True
         local = self.local()
         if local is None:
             _send(conn, {"error": "no RDMA device ready on this node"})
             return True
+
+        def signed(role: str, fields: dict[str, Any]) -> dict[str, Any]:
+            if key is None:
+                return fields
+            return {**fields, "mac": sign(key, role, server_nonce, client_nonce, fields)}
+
         ep = self.endpoint(local)
         try:
             ep.post_rc_recv(128)
             ep.post_ud_recv(min(UD_BURST * 2, 250))
             ep.connect(hello)
-            _send(conn, {**ep.hello(), "node": socket.gethostname()})
+            _send(conn, signed("server", {**ep.hello(), "node": socket.gethostname()}))
             received = 0
             conn.setblocking(False)
             buf = b""
@@ -329,7 +357,7 @@ class ProbeServer:
                             if opcode == ep.e.IBV_WC_RECV and status == ep.e.IBV_WC_SUCCESS:
                                 received += 1
                         conn.settimeout(max(0.1, min(5.0, deadline - time.monotonic())))
-                        _send(conn, {"ud_received": received})
+                        _send(conn, signed("count", {"ud_received": received}))
                         conn.setblocking(False)
                     elif msg.get("op") == "bye":
                         return True
@@ -347,24 +375,50 @@ class ProbeServer:
 
 
 def probe_peer(
-    node: str, address: str, port: int, local: Local, timeout: float = 20.0
+    node: str,
+    address: str,
+    port: int,
+    local: Local,
+    timeout: float = 20.0,
+    *,
+    key: bytes | None = None,
+    endpoint: Callable[[Local], Any] | None = None,
 ) -> PeerResult:
-    """One probe session against a peer."""
+    """One probe session against a peer; with a key, both sides authenticate."""
     try:
         conn = socket.create_connection((address, port), timeout=5)
     except OSError as e:
         return PeerResult(node, False, message=f"side channel {address}:{port} unreachable: {e}")
-    ep: Endpoint | None = None
+    ep: Any = None
     with conn:
         conn.settimeout(timeout)
         f = conn.makefile("r")
         try:
-            ep = Endpoint(local)
+            challenge = _recv(f)
+            if "error" in challenge:
+                return PeerResult(node, False, message=str(challenge["error"]))
+            server_nonce = str(challenge.get("nonce") or "")
+            client_nonce = new_nonce()
+
+            def authentic(role: str, msg: dict[str, Any]) -> bool:
+                return key is None or verify(
+                    key, msg.get("mac"), role, server_nonce, client_nonce, msg
+                )
+
+            ep = (endpoint or Endpoint)(local)
             ep.post_rc_recv(RC_PINGS + 8)
-            _send(conn, {**ep.hello(), "node": node})
+            hello = {**ep.hello(), "node": node, "nonce": client_nonce}
+            if key is not None:
+                hello["mac"] = sign(key, "client", server_nonce, client_nonce, hello)
+            _send(conn, hello)
             remote = _recv(f)
             if "error" in remote:
                 return PeerResult(node, False, message=str(remote["error"]))
+            if not authentic("server", remote):
+                return PeerResult(
+                    node, False, message="the peer failed authentication: its probe key differs "
+                    "from this node's, or it has none (the network's probe Secret)"
+                )  # fmt: skip
             ep.connect(remote)
             rtts = _rc_pings(ep)
             if not rtts:
@@ -373,7 +427,10 @@ def probe_peer(
             sent = _ud_burst(ep)
             time.sleep(0.2)
             _send(conn, {"op": "count"})
-            got = int(_recv(f).get("ud_received", 0))
+            counted = _recv(f)
+            if not authentic("count", counted):
+                return PeerResult(node, False, message="the peer's count failed authentication")
+            got = int(counted.get("ud_received", 0))
             _send(conn, {"op": "bye"})
             loss = max(0.0, 1.0 - got / sent) if sent else None
             return PeerResult(node, True, tuple(rtts), loss)
@@ -503,8 +560,10 @@ class Prober:
         peers: int,
         max_latency_us: float,
         max_loss: float,
+        key_file: Path | None = None,
     ) -> None:
         self.kube = kube
+        self.key_file = key_file
         self.network = network
         self.node = node
         self.address = address
@@ -572,10 +631,23 @@ class Prober:
             peers=cfg.probe.peers_per_node,
             max_latency_us=float(cfg.probe.max_latency_microseconds),
             max_loss=cfg.probe.max_loss_fraction,
+            key_file=opts.probe_key_file,
         )
+
+    def key(self) -> bytes | None:
+        """The network's probe key, read per use (a rotated Secret applies at once)."""
+        return load_key(self.key_file) if self.key_file is not None else None
 
     def start(self) -> None:
         """Serve on the RDMA netdev's address (once it has one) and run the rounds."""
+        try:
+            if self.key() is None:
+                log.warning(
+                    "probe: no key at %s: the side channel is NOT authenticated; mount the "
+                    "network's probe Secret there", self.key_file,
+                )  # fmt: skip
+        except ProbeKeyError as e:
+            log.error("%s; probe sessions will fail until it is fixed", e)
         self.refresh()
         threading.Thread(target=self._loop, name="probe-rounds", daemon=True).start()
         log.info("probe: %d peer(s) every %.0f s", self.peers, self.interval)
@@ -596,7 +668,7 @@ class Prober:
                 self.publish("")
                 return
             try:
-                self.server = ProbeServer(address, self.port, self.local)
+                self.server = ProbeServer(address, self.port, self.local, key=self.key)
             except OSError as e:
                 log.error(
                     "probe server cannot listen on %s:%d: %s; no probes from this node. If "
@@ -636,6 +708,11 @@ class Prober:
         if local is None:
             return None
         try:
+            key = self.key()
+        except ProbeKeyError as e:
+            log.error("probe: %s", e)
+            return None
+        try:
             endpoints = self.endpoints()
         except KubeError as e:
             log.warning("probe: cannot list peers: %s", e)
@@ -644,7 +721,7 @@ class Prober:
         for node in choose_peers(self.node, endpoints, self.peers):
             host, _, port = endpoints[node].rpartition(":")
             t0 = time.monotonic()
-            r = probe_peer(node, host, int(port), local)
+            r = probe_peer(node, host, int(port), local, key=key)
             results.append(r)
             m = self.metrics
             m.probe_rounds.labels(peer=node, result="ok" if r.reachable else "unreachable").inc()
