@@ -22,8 +22,11 @@ unreachable to everyone, and a client without the key gets nothing but an error.
 a key file (the operator has not mounted the network's probe Secret) the channel is
 unauthenticated and the agent says so at start.
 
-Latencies and loss go to metrics every round; the NodeState's probe summary is replaced
-only when the verdict (healthy, and each peer's pass/fail) changes. The operator, not
+Latencies and loss go to metrics every round; the verdict stands on samples kept per peer
+across rounds (a p99 over LATENCY_SAMPLES RTTs, loss by a Wilson bound over up to
+LOSS_WINDOW datagrams, with hysteresis), and each peer's message says how many. The
+NodeState's probe summary is replaced only when the verdict (healthy, and each peer's
+pass/fail) changes. The operator, not
 the agent, decides taints from these summaries. Needs pyverbs (guests, agent image).
 """
 
@@ -32,13 +35,15 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import random
 import select
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +57,17 @@ log = logging.getLogger("metaroce.agent.probe")
 
 QKEY = 0x4D52
 MSG = 64
-RC_PINGS = 20
-UD_BURST = 50
+RC_PINGS = 100
+UD_BURST = 200
+LATENCY_SAMPLES = 1000
+"""RTTs behind a p99 (kept per peer across rounds): fewer, and the p99 is one sample's
+noise; until then latency does not fail a peer."""
+LOSS_WINDOW = 4000
+"""UD datagrams per peer kept across rounds for the loss decision: a 1% limit needs about
+2,000 per decision to keep false failures near 1e-3."""
+WILSON_Z = 3.09
+"""One-sided z for about 1e-3: a peer fails when the Wilson lower bound of its loss is over
+the limit, and recovers only when the upper bound is under it (hysteresis)."""
 PING_TIMEOUT = 1.0
 SPIN = 0.0002
 """Busy-poll a CQ this long after the last activity, then poll every NAP: a probe must not
@@ -80,6 +94,8 @@ class PeerResult:
     rtts_us: tuple[float, ...] = ()
     loss: float | None = None
     message: str = ""
+    ud: tuple[int, int] | None = None
+    """(sent, received) UD datagrams of this session."""
 
     def percentile(self, q: float) -> float | None:
         if not self.rtts_us:
@@ -338,6 +354,7 @@ class ProbeServer:
                     busy = True
                     if opcode == ep.e.IBV_WC_RECV and status == ep.e.IBV_WC_SUCCESS:
                         received += 1
+                        ep.post_ud_recv(1)
                 now_ = time.perf_counter()
                 if busy:
                     last = now_
@@ -433,7 +450,7 @@ def probe_peer(
             got = int(counted.get("ud_received", 0))
             _send(conn, {"op": "bye"})
             loss = max(0.0, 1.0 - got / sent) if sent else None
-            return PeerResult(node, True, tuple(rtts), loss)
+            return PeerResult(node, True, tuple(rtts), loss, ud=(sent, min(got, sent)))
         except Exception as e:
             return PeerResult(node, False, message=f"probe failed: {e}")
         finally:
@@ -506,33 +523,93 @@ def choose_peers(me: str, endpoints: dict[str, str], k: int) -> list[str]:
     return [n for n in others if n in endpoints][:k]
 
 
+def wilson_bounds(lost: int, sent: int, z: float = WILSON_Z) -> tuple[float, float]:
+    """The Wilson score interval of a loss fraction (lost of sent)."""
+    if sent <= 0:
+        return 0.0, 1.0
+    p = lost / sent
+    z2 = z * z
+    denom = 1 + z2 / sent
+    center = (p + z2 / (2 * sent)) / denom
+    half = z * math.sqrt(p * (1 - p) / sent + z2 / (4 * sent * sent)) / denom
+    return max(0.0, center - half), min(1.0, center + half)
+
+
+def _percentile(data: list[float], q: float) -> float | None:
+    if not data:
+        return None
+    data = sorted(data)
+    return data[min(len(data) - 1, max(0, round(q * (len(data) - 1))))]
+
+
+@dataclass
+class PeerHistory:
+    """One peer's samples across rounds and its loss state (for the hysteresis)."""
+
+    rtts: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_SAMPLES))
+    ud: deque[tuple[int, int]] = field(default_factory=deque)
+    loss_failing: bool = False
+
+    def add(self, r: PeerResult) -> None:
+        self.rtts.extend(r.rtts_us)
+        if r.ud is not None and r.ud[0] > 0:
+            self.ud.append(r.ud)
+            while sum(s for s, _ in self.ud) - self.ud[0][0] >= LOSS_WINDOW:
+                self.ud.popleft()
+
+    def counts(self) -> tuple[int, int]:
+        """(lost, sent) over the window."""
+        sent = sum(s for s, _ in self.ud)
+        return sent - sum(g for _, g in self.ud), sent
+
+    def judge_loss(self, max_loss: float) -> tuple[bool, float, float]:
+        lost, sent = self.counts()
+        lo, hi = wilson_bounds(lost, sent)
+        if self.loss_failing and hi <= max_loss:
+            self.loss_failing = False
+        elif not self.loss_failing and lo > max_loss:
+            self.loss_failing = True
+        return self.loss_failing, lo, hi
+
+
 def summarize(
-    results: list[PeerResult], max_latency_us: float, max_loss: float
+    results: list[PeerResult],
+    max_latency_us: float,
+    max_loss: float,
+    history: dict[str, PeerHistory] | None = None,
 ) -> tuple[ProbeSummary, tuple[Any, ...]]:
-    """The summary and its verdict key (what must change for the NodeState to change)."""
+    """The summary and its verdict key (what must change for the NodeState to change).
+    `history` (per peer, kept by the caller across rounds) gets this round's samples; a
+    verdict stands on all of them, and its message says how many."""
+    history = {} if history is None else history
     peers = []
     verdicts = []
     for r in results:
-        p99 = r.percentile(0.99)
-        ok = (
-            r.reachable
-            and (p99 is None or p99 <= max_latency_us)
-            and (r.loss is None or r.loss <= max_loss)
-        )
+        h = history.setdefault(r.node, PeerHistory())
+        h.add(r)
+        rtts = list(h.rtts)
+        p99 = _percentile(rtts, 0.99)
+        slow = p99 is not None and len(rtts) >= LATENCY_SAMPLES and p99 > max_latency_us
+        loss_failing, lo, hi = h.judge_loss(max_loss)
+        lost, sent = h.counts()
+        ok = r.reachable and not slow and not loss_failing
         msg = r.message
-        if r.reachable and not ok:
+        if r.reachable:
             shown = "?" if p99 is None else f"{p99:.0f}"
+            pending = "" if len(rtts) >= LATENCY_SAMPLES else ", too few to judge"
             msg = (
-                f"p99 {shown} us (max {max_latency_us:.0f}), loss {r.loss or 0:.3f} "
-                f"(max {max_loss})"
+                f"p99 {shown} us (max {max_latency_us:.0f}) over {len(rtts)} RTTs{pending}; "
+                f"loss {lost} of {sent} datagrams, bound [{lo:.4f}, {hi:.4f}] (max {max_loss})"
             )
+            if not ok:
+                msg = "failing: " + msg
         peers.append(
             ProbePeer(
                 node=r.node,
                 reachable=r.reachable,
-                latency_p50_microseconds=r.percentile(0.5),
+                latency_p50_microseconds=_percentile(rtts, 0.5),
                 latency_p99_microseconds=p99,
-                loss_fraction=r.loss,
+                loss_fraction=(lost / sent) if sent else r.loss,
                 message=msg[:1024],
             )
         )
@@ -580,6 +657,7 @@ class Prober:
         self.served_address: str | None = None
         self._stop = threading.Event()
         self._verdict: tuple[Any, ...] | None = None
+        self.history: dict[str, PeerHistory] = {}
         self.rounds = 0
         self._serving = threading.Lock()
 
@@ -737,7 +815,7 @@ class Prober:
         self.rounds += 1
         if not results:
             return None
-        summary, verdict = summarize(results, self.max_latency_us, self.max_loss)
+        summary, verdict = summarize(results, self.max_latency_us, self.max_loss, self.history)
         if verdict != self._verdict:
             self._verdict = verdict
             log.info("probe verdict: %s", verdict)
