@@ -36,6 +36,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import random
 import select
 import socket
@@ -69,10 +70,6 @@ WILSON_Z = 3.09
 """One-sided z for about 1e-3: a peer fails when the Wilson lower bound of its loss is over
 the limit, and recovers only when the upper bound is under it (hysteresis)."""
 PING_TIMEOUT = 1.0
-SPIN = 0.0002
-"""Busy-poll a CQ this long after the last activity, then poll every NAP: a probe must not
-take a CPU away from the jobs (rxe itself runs on the node's CPUs)."""
-NAP = 0.001
 MAX_SESSIONS = 8
 """Probe sessions served at once (each holds a PD, two CQs and two QPs)."""
 SESSION_SECONDS = 30.0
@@ -110,7 +107,7 @@ class Endpoint:
 
     def __init__(self, local: Local) -> None:
         import pyverbs.enums as e
-        from pyverbs.cq import CQ
+        from pyverbs.cq import CQ, CompChannel
         from pyverbs.device import Context
         from pyverbs.mr import MR
         from pyverbs.pd import PD
@@ -120,8 +117,21 @@ class Endpoint:
         self.local = local
         self.ctx: Any = Context(name=local.device)
         self.pd: Any = PD(self.ctx)
-        self.rc_cq: Any = CQ(self.ctx, 256, None, None, 0)
-        self.ud_cq: Any = CQ(self.ctx, 512, None, None, 0)
+        # Completion channels, so both sides sleep in select() until a completion instead
+        # of busy-polling or napping (which would add up to the nap to every RTT).
+        with _CHANNELS:
+            before = _event_fds()
+            self.rc_ch: Any = CompChannel(self.ctx)
+            mid = _event_fds()
+            self.ud_ch: Any = CompChannel(self.ctx)
+            after = _event_fds()
+        rc_fd, ud_fd = mid - before, after - mid
+        if len(rc_fd) != 1 or len(ud_fd) != 1:
+            raise RuntimeError("cannot find the completion channels' file descriptors")
+        self.rc_fd, self.ud_fd = rc_fd.pop(), ud_fd.pop()
+        self.rc_cq: Any = CQ(self.ctx, 256, None, self.rc_ch, 0)
+        self.ud_cq: Any = CQ(self.ctx, 512, None, self.ud_ch, 0)
+        self._armed = {"rc": False, "ud": False}
         self.mr: Any = MR(self.pd, 64 * 1024, e.IBV_ACCESS_LOCAL_WRITE)
         cap = QPCap(max_send_wr=128, max_recv_wr=256, max_send_sge=1, max_recv_sge=1)
         attr = QPAttr(port_num=local.port)
@@ -217,13 +227,52 @@ class Endpoint:
         npolled, wcs = cq.poll(n)
         return [(int(w.opcode), int(w.status)) for w in (wcs or [])[:npolled]]
 
+    def wait(self, timeout: float, extra: tuple[Any, ...] = ()) -> list[Any]:
+        """Sleep until a completion on either CQ, one of `extra` (sockets) is readable, or
+        `timeout`; returns the readable ones of `extra`. A CQ that was not armed is armed
+        and the call returns at once: the caller polls again, so a completion that came
+        before the arming is not slept through."""
+        newly = False
+        for name, cq in (("rc", self.rc_cq), ("ud", self.ud_cq)):
+            if not self._armed[name]:
+                cq.req_notify()
+                self._armed[name] = newly = True
+        if newly:
+            r, _, _ = select.select(list(extra), [], [], 0)
+            return list(r)
+        r, _, _ = select.select([self.rc_fd, self.ud_fd, *extra], [], [], max(0.0, timeout))
+        for name, fd, ch, cq in (
+            ("rc", self.rc_fd, self.rc_ch, self.rc_cq),
+            ("ud", self.ud_fd, self.ud_ch, self.ud_cq),
+        ):
+            if fd in r:
+                ch.get_cq_event(cq)  # readable: does not block
+                cq.ack_events(1)
+                self._armed[name] = False
+        return [x for x in r if x in extra]
+
     def close(self) -> None:
-        for obj in (self.ah, self.rc, self.ud, self.mr, self.rc_cq, self.ud_cq, self.pd, self.ctx):
+        objs = (self.ah, self.rc, self.ud, self.mr, self.rc_cq, self.ud_cq, self.rc_ch, self.ud_ch)
+        for obj in (*objs, self.pd, self.ctx):
             try:
                 if obj is not None:
                     obj.close()
             except Exception:  # best effort: the process keeps running
                 pass
+
+
+_CHANNELS = threading.Lock()
+"""Held while completion channels are made, so the new descriptors are this session's."""
+
+
+def _event_fds() -> set[int]:
+    """This process's open completion-channel descriptors (pyverbs does not expose them)."""
+    out = set()
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            if "infinibandevent" in os.readlink(f"/proc/self/fd/{name}"):
+                out.add(int(name))
+    return out
 
 
 def _send(sock: socket.socket, msg: dict[str, Any]) -> None:
@@ -338,7 +387,6 @@ class ProbeServer:
             received = 0
             conn.setblocking(False)
             buf = b""
-            last = time.perf_counter()
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0 or self._stop.is_set():
@@ -355,11 +403,10 @@ class ProbeServer:
                     if opcode == ep.e.IBV_WC_RECV and status == ep.e.IBV_WC_SUCCESS:
                         received += 1
                         ep.post_ud_recv(1)
-                now_ = time.perf_counter()
                 if busy:
-                    last = now_
-                wait = min(0.0 if now_ - last < SPIN else NAP, left)
-                r, _, _ = select.select([conn], [], [], wait)
+                    r, _, _ = select.select([conn], [], [], 0)
+                else:  # asleep until a completion or a message (at most 1 s: the deadline)
+                    r = ep.wait(min(left, 1.0), (conn,))
                 if not r:
                     continue
                 chunk = conn.recv(4096)
@@ -458,7 +505,7 @@ def probe_peer(
                 ep.close()
 
 
-def _rc_pings(ep: Endpoint) -> list[float]:
+def _rc_pings(ep: Any) -> list[float]:
     e = ep.e
     rtts: list[float] = []
     for _ in range(RC_PINGS):
@@ -472,15 +519,15 @@ def _rc_pings(ep: Endpoint) -> list[float]:
             if any(op == e.IBV_WC_RECV for op, _ in done):
                 got = True
                 break
-            if time.perf_counter() - t0 > SPIN:
-                time.sleep(NAP)
+            if not done:
+                ep.wait(PING_TIMEOUT - (time.perf_counter() - t0))
         if not got:
             break
         rtts.append((time.perf_counter() - t0) * 1e6)
     return rtts
 
 
-def _ud_burst(ep: Endpoint) -> int:
+def _ud_burst(ep: Any) -> int:
     e = ep.e
     sent = outstanding = 0
     deadline = time.monotonic() + 5
@@ -495,7 +542,7 @@ def _ud_burst(ep: Endpoint) -> int:
             if status != e.IBV_WC_SUCCESS:
                 return sent
         if not done and outstanding >= 32:
-            time.sleep(NAP)
+            ep.wait(0.1)
     return sent
 
 

@@ -8,9 +8,9 @@ port makes the server create a PD, CQs and QPs, and can feed it a fake peer."""
 from __future__ import annotations
 
 import json
+import select
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -47,8 +47,9 @@ class FakeEndpoint:
     def poll(self, cq: Any, n: int = 16) -> list[tuple[int, int]]:
         return []
 
-    def wait(self, cqs: Any, timeout: float) -> None:
-        time.sleep(min(timeout, 0.01))
+    def wait(self, timeout: float, extra: tuple[Any, ...] = ()) -> list[Any]:
+        r, _, _ = select.select(list(extra), [], [], min(timeout, 0.05))
+        return list(r)
 
     def rc_send(self) -> None: ...
 

@@ -8,6 +8,7 @@ unauthenticated port blocks every other peer, and the node looks unreachable to 
 from __future__ import annotations
 
 import json
+import select
 import socket
 import threading
 import time
@@ -37,6 +38,10 @@ class FakeEndpoint:
 
     def poll(self, cq: Any, n: int = 16) -> list[tuple[int, int]]:
         return []
+
+    def wait(self, timeout: float, extra: tuple[Any, ...] = ()) -> list[Any]:
+        r, _, _ = select.select(list(extra), [], [], min(timeout, 0.05))
+        return list(r)
 
     def close(self) -> None: ...
 
