@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from metaroce_agent.kube import KubeClient, KubeError, cluster_path
+from metaroce_agent.kube import METADATA_LIST, METADATA_WATCH, KubeClient, KubeError, cluster_path
 from metaroce_agent.probe_auth import ProbeKeyError, load_key, new_nonce, sign, verify
 from metaroce_agent.report import now
 from metaroce_api import ProbePeer, ProbeSummary, constants
@@ -666,6 +666,94 @@ def summarize(
     return summary, (healthy, tuple(sorted(verdicts)))
 
 
+class PeerIndex:
+    """The probe endpoints of a network's NodeStates, from their metadata only (the node
+    label and the endpoint annotation): listed once, then kept by a watch, so a probe
+    round sends no request and no agent reads the others' status (finding 10)."""
+
+    def __init__(self, kube: Any, network: str, me: str) -> None:
+        self.kube = kube
+        self.network = network
+        self.me = me
+        self.path = cluster_path(constants.GROUP, constants.VERSION, constants.NODESTATE_PLURAL)
+        self.selector = f"{constants.NETWORK_LABEL}={network}"
+        self._items: dict[str, tuple[str, str]] = {}  # object name -> (node, endpoint)
+        self._lock = threading.Lock()
+        self.resource_version: str | None = None
+
+    def _entry(self, obj: dict[str, Any]) -> tuple[str, tuple[str, str] | None]:
+        md = obj.get("metadata") or {}
+        node = str((md.get("labels") or {}).get(constants.NODE_LABEL) or "")
+        if len(node) >= 63:  # the label may be a shortened name: the object has the real one
+            full = self.kube.get(f"{self.path}/{md.get('name')}") or {}
+            node = str((full.get("spec") or {}).get("node") or "")
+        ep = str((md.get("annotations") or {}).get(constants.PROBE_ENDPOINT_ANNOTATION) or "")
+        ok = node and node != self.me and _probeable(ep)
+        return str(md.get("name") or ""), ((node, ep) if ok else None)
+
+    def relist(self) -> None:
+        data = self.kube.request(
+            "GET", self.path, params={"labelSelector": self.selector}, accept=METADATA_LIST
+        )
+        items: dict[str, tuple[str, str]] = {}
+        for obj in data.get("items") or []:
+            name, entry = self._entry(obj)
+            if entry is not None:
+                items[name] = entry
+        with self._lock:
+            self._items = items
+            self.resource_version = str((data.get("metadata") or {}).get("resourceVersion"))
+
+    def apply(self, event: dict[str, Any]) -> None:
+        """One watch event."""
+        obj = event.get("object") or {}
+        name, entry = self._entry(obj)
+        with self._lock:
+            if event.get("type") == "DELETED" or entry is None:
+                self._items.pop(name, None)
+            else:
+                self._items[name] = entry
+            rv = (obj.get("metadata") or {}).get("resourceVersion")
+            if rv:
+                self.resource_version = str(rv)
+
+    def endpoints(self) -> dict[str, str]:
+        if self.resource_version is None:
+            self.relist()
+        with self._lock:
+            return {node: ep for node, ep in self._items.values()}
+
+    def run(self, stop: threading.Event) -> None:
+        """Keep the index by a watch; relist when the watch ends badly or expires (410)."""
+        while not stop.is_set():
+            try:
+                if self.resource_version is None:
+                    self.relist()
+                params = {
+                    "labelSelector": self.selector,
+                    "resourceVersion": str(self.resource_version),
+                    "allowWatchBookmarks": "true",
+                }
+                for event in self.kube.watch(self.path, params, accept=METADATA_WATCH):
+                    if stop.is_set():
+                        return
+                    kind = event.get("type")
+                    if kind == "ERROR":
+                        self.resource_version = None  # expired: list again
+                        break
+                    if kind == "BOOKMARK":
+                        rv = ((event.get("object") or {}).get("metadata") or {}).get(
+                            "resourceVersion"
+                        )
+                        self.resource_version = str(rv) if rv else self.resource_version
+                        continue
+                    self.apply(event)
+            except Exception as e:  # never let the index thread die: list again
+                log.warning("probe: peer watch: %s; listing again", e)
+                self.resource_version = None
+                stop.wait(5)
+
+
 class Prober:
     """Runs the server and the periodic probe rounds of one agent."""
 
@@ -705,6 +793,7 @@ class Prober:
         self._stop = threading.Event()
         self._verdict: tuple[Any, ...] | None = None
         self.history: dict[str, PeerHistory] = {}
+        self.index = PeerIndex(kube, network, node)
         self.rounds = 0
         self._serving = threading.Lock()
 
@@ -775,6 +864,9 @@ class Prober:
             log.error("%s; probe sessions will fail until it is fixed", e)
         self.refresh()
         threading.Thread(target=self._loop, name="probe-rounds", daemon=True).start()
+        threading.Thread(
+            target=self.index.run, args=(self._stop,), name="probe-peers", daemon=True
+        ).start()
         log.info("probe: %d peer(s) every %.0f s", self.peers, self.interval)
 
     def refresh(self) -> None:
@@ -813,19 +905,7 @@ class Prober:
             self.server.stop()
 
     def endpoints(self) -> dict[str, str]:
-        path = cluster_path(constants.GROUP, constants.VERSION, constants.NODESTATE_PLURAL)
-        data = self.kube.request(
-            "GET", path, params={"labelSelector": f"{constants.NETWORK_LABEL}={self.network}"}
-        )
-        out = {}
-        for item in data.get("items") or []:
-            node = (item.get("spec") or {}).get("node")
-            ep = ((item.get("metadata") or {}).get("annotations") or {}).get(
-                constants.PROBE_ENDPOINT_ANNOTATION
-            )
-            if node and ep and node != self.node and _probeable(str(ep)):
-                out[str(node)] = str(ep)
-        return out
+        return self.index.endpoints()
 
     def round(self) -> ProbeSummary | None:
         self.refresh()

@@ -5,6 +5,8 @@ republished."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
 from typing import Any
 
 from metaroce_agent.probe import Prober
@@ -14,14 +16,21 @@ class FakeKube:
     def __init__(self, endpoints: dict[str, str]) -> None:
         self.items = [
             {
-                "spec": {"node": node},
-                "metadata": {"annotations": {"metaroce.io/probe-endpoint": ep}},
+                "metadata": {
+                    "name": f"rdma-a.{node}",
+                    "labels": {"metaroce.io/node": node},
+                    "annotations": {"metaroce.io/probe-endpoint": ep},
+                },
             }
             for node, ep in endpoints.items()
         ]
 
     def request(self, method: str, path: str, **kw: Any) -> dict[str, Any]:
-        return {"items": self.items}
+        return {"metadata": {"resourceVersion": "1"}, "items": self.items}
+
+    def watch(self, path: str, params: dict[str, str], **kw: Any) -> Iterator[dict[str, Any]]:
+        time.sleep(3600)
+        yield {}
 
 
 def _prober(address: list[str | None], published: list[str], kube: Any = None) -> Prober:
