@@ -5,11 +5,12 @@ republished."""
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Iterator
 from typing import Any
 
-from metaroce_agent.probe import Prober
+from metaroce_agent.probe import Prober, probe_address, split_endpoint
 
 
 class FakeKube:
@@ -80,3 +81,27 @@ def test_peers_with_unspecified_or_loopback_endpoints_are_not_probed() -> None:
     )
     p = _prober(["192.168.77.11"], [], kube)
     assert p.endpoints() == {"node-4": "192.168.77.14:47911"}
+
+
+def test_an_ipv6_only_netdev_is_served_and_published_in_brackets() -> None:
+    """Finding 9, IPv6: on b6733c0 (and before this fix) an IPv6-only netdev publishes
+    nothing (or 0.0.0.0), and a bracketed peer endpoint cannot be probed."""
+    published: list[str] = []
+    p = _prober(["::1"], published)
+    try:
+        p.refresh()
+        assert published and published[-1].startswith("[::1]:"), published
+        host, port = split_endpoint(published[-1])
+        assert host == "::1" and port == p.server.port  # type: ignore[union-attr]
+        with socket.create_connection((host, port), timeout=3) as c:
+            assert "nonce" in c.makefile("r").readline()  # an IPv6 listener answers
+    finally:
+        p.stop()
+
+
+def test_the_probe_address_prefers_ipv4_then_a_global_ipv6() -> None:
+    assert probe_address(("192.168.1.5/24",), ("fd00::5/64",)) == "192.168.1.5"
+    assert probe_address((), ("fe80::1/64", "fd00::5/64")) == "fd00::5"
+    assert probe_address((), ("fe80::1/64",)) is None  # link-local needs a scope: no
+    assert split_endpoint("10.0.0.2:47911") == ("10.0.0.2", 47911)
+    assert split_endpoint("[fd00::2]:47911") == ("fd00::2", 47911)
