@@ -122,6 +122,8 @@ class Netlink(Protocol):
 
     def ipv4_addresses(self, ifname: str) -> list[str]: ...
 
+    def ipv6_addresses(self, ifname: str) -> list[str]: ...
+
     def link_kind(self, ifname: str) -> str | None: ...
 
     def qdisc_kinds(self, ifname: str) -> list[str]: ...
@@ -374,6 +376,14 @@ class PyRoute2Netlink:
         with self._ipr() as ipr:
             try:
                 msgs = ipr.get_addr(family=2, index=self._index(ipr, ifname))
+            except HostError:
+                return []
+            return [str(m.get_attr("IFA_ADDRESS")) for m in msgs]
+
+    def ipv6_addresses(self, ifname: str) -> list[str]:
+        with self._ipr() as ipr:
+            try:
+                msgs = ipr.get_addr(family=10, index=self._index(ipr, ifname))
             except HostError:
                 return []
             return [str(m.get_attr("IFA_ADDRESS")) for m in msgs]

@@ -235,6 +235,7 @@ class Agent:
                 h.read_opt(f"/sys/class/net/{n}/operstate"),
                 h.read_opt(f"/sys/class/net/{n}/mtu"),
                 tuple(h.netlink.ipv4_addresses(n)),
+                tuple(h.netlink.ipv6_addresses(n)),
             )
             for n in (plan.netdevs if plan else ())
         )

@@ -43,7 +43,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -312,7 +312,8 @@ class ProbeServer:
         self.key = key
         self.max_sessions = max_sessions
         self.session_seconds = session_seconds
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((address, port))
         self.sock.listen(16)
@@ -547,6 +548,34 @@ def _ud_burst(ep: Any) -> int:
 
 
 # --- the agent's prober ----------------------------------------------------------------------
+
+
+def probe_address(ipv4: Sequence[str], ipv6: Sequence[str]) -> str | None:
+    """The address to serve probes on: the netdev's first IPv4 address, else its first
+    IPv6 address that peers can reach without a scope (not link-local); None while it has
+    neither (never 0.0.0.0 or ::, which peers would take for their own host)."""
+    import ipaddress
+
+    for a in ipv4:
+        return a.split("/")[0]
+    for a in ipv6:
+        try:
+            ip = ipaddress.ip_address(a.split("/")[0])
+        except ValueError:
+            continue
+        if not (ip.is_link_local or ip.is_unspecified or ip.is_loopback):
+            return str(ip)
+    return None
+
+
+def endpoint_text(address: str, port: int) -> str:
+    """`<ipv4>:<port>` or `[<ipv6>]:<port>`."""
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    host, _, port = endpoint.rpartition(":")
+    return host.strip("[]"), int(port)
 
 
 def _probeable(endpoint: str) -> bool:
@@ -817,13 +846,12 @@ class Prober:
             return Local(td.rdma_device, td.port, gid.index, agent.config.qos.data.dscp << 2)
 
         def address() -> str | None:
-            """The RDMA netdev's IPv4 address; None while it has none (never 0.0.0.0:
-            peers would probe their own host). IPv6-only networks are not served yet."""
+            """The RDMA netdev's address (`probe_address`); None while it has none."""
             plan = agent.state.plan
             if plan and plan.netdevs:
                 nd = agent.state.inventory.netdev(plan.netdevs[0])
-                if nd and nd.ipv4:
-                    return str(nd.ipv4[0].split("/")[0])
+                if nd:
+                    return probe_address(nd.ipv4, nd.ipv6)
             return None
 
         def publish(endpoint: str) -> None:
@@ -881,7 +909,7 @@ class Prober:
                 self.server = None
             self.served_address = address
             if address is None:
-                log.warning("probe: the RDMA netdev has no IPv4 address yet: not serving")
+                log.warning("probe: the RDMA netdev has no usable address yet: not serving")
                 self.publish("")
                 return
             try:
@@ -896,7 +924,7 @@ class Prober:
                 self.served_address = None
                 return
             threading.Thread(target=self.server.serve, name="probe-server", daemon=True).start()
-            self.publish(f"{address}:{self.server.port}")
+            self.publish(endpoint_text(address, self.server.port))
             log.info("probe: serving on %s:%d", address, self.server.port)
 
     def stop(self) -> None:
@@ -924,9 +952,9 @@ class Prober:
             return None
         results = []
         for node in choose_peers(self.node, endpoints, self.peers):
-            host, _, port = endpoints[node].rpartition(":")
+            host, port = split_endpoint(endpoints[node])
             t0 = time.monotonic()
-            r = probe_peer(node, host, int(port), local, key=key)
+            r = probe_peer(node, host, port, local, key=key)
             results.append(r)
             m = self.metrics
             m.probe_rounds.labels(peer=node, result="ok" if r.reachable else "unreachable").inc()

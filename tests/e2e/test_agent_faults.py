@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import signal
 import time
 from typing import Any
@@ -65,25 +64,21 @@ def clean(g: Any) -> None:
 
 def node_state(g: Any) -> dict[str, Any]:
     """What is on the node, counted."""
-    out = sh(
-        g,
-        "echo LINKS; rdma link show | grep -c 'netdev eth0 *$' || true; "
-        "echo QDISC; tc qdisc show dev eth0 | grep -c clsact || true; "
-        "echo FILTERS; tc filter show dev eth0 egress | grep -c 'handle 0x4d52' || true; "
-        f"echo TOS; cat {CM}/default_roce_tos 2>/dev/null || echo none; "
-        f"echo JOURNAL; cat {STATE}/journal.json 2>/dev/null || echo none; "
-        f"echo CORRUPT; ls {STATE} 2>/dev/null | grep -c corrupt || true",
-    )
-    parts = dict(re.findall(r"^(LINKS|QDISC|FILTERS|TOS|JOURNAL|CORRUPT)\n(.*?)(?=^[A-Z]+\n|\Z)",
-                            out, re.M | re.S))  # fmt: skip
-    journal = parts["JOURNAL"].strip()
+
+    def count(cmd: str) -> int:
+        return int(sh(g, f"{cmd} | grep -c {pattern(cmd)} || true").split()[0])
+
+    def pattern(cmd: str) -> str:
+        return {"rdma": "'netdev eth0 *$'", "tc q": "clsact", "tc f": "'handle 0x4d52'"}[cmd[:4]]
+
+    journal = sh(g, f"cat {STATE}/journal.json 2>/dev/null || true").strip()
     return {
-        "links": int(parts["LINKS"].split()[0]),
-        "clsact": int(parts["QDISC"].split()[0]),
-        "filters": int(parts["FILTERS"].split()[0]),
-        "tos": parts["TOS"].strip(),
-        "journal": None if journal == "none" else json.loads(journal),
-        "corrupt": int(parts["CORRUPT"].split()[0]),
+        "links": count("rdma link show"),
+        "clsact": count("tc qdisc show dev eth0"),
+        "filters": count("tc filter show dev eth0 egress"),
+        "tos": sh(g, f"cat {CM}/default_roce_tos 2>/dev/null || echo none").strip(),
+        "journal": json.loads(journal) if journal else None,
+        "corrupt": int(sh(g, f"ls {STATE} 2>/dev/null | grep -c corrupt || true").split()[0]),
     }
 
 

@@ -356,6 +356,10 @@ class FixtureNetlink:
         text = self.host.read_opt(f"/sys/class/net/{ifname}/fixture_ipv4") or ""
         return [line.strip() for line in text.splitlines() if line.strip()]
 
+    def ipv6_addresses(self, ifname: str) -> list[str]:
+        text = self.host.read_opt(f"/sys/class/net/{ifname}/fixture_ipv6") or ""
+        return [line.strip() for line in text.splitlines() if line.strip()]
+
 
 class FixtureHost(Host):
     """A Host over a fixture tree whose configfs behaves like rdma_cm's.
