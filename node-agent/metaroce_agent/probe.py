@@ -66,6 +66,8 @@ noise; until then latency does not fail a peer."""
 LOSS_WINDOW = 4000
 """UD datagrams per peer kept across rounds for the loss decision: a 1% limit needs about
 2,000 per decision to keep false failures near 1e-3."""
+MIN_LOSS_DATAGRAMS = 2000
+"""Datagrams behind a published loss fraction."""
 WILSON_Z = 3.09
 """One-sided z for about 1e-3: a peer fails when the Wilson lower bound of its loss is over
 the limit, and recovers only when the upper bound is under it (hysteresis)."""
@@ -684,8 +686,10 @@ def summarize(
                 node=r.node,
                 reachable=r.reachable,
                 latency_p50_microseconds=_percentile(rtts, 0.5),
-                latency_p99_microseconds=p99,
-                loss_fraction=(lost / sent) if sent else r.loss,
+                # the operator judges these numbers itself: state them only once enough
+                # samples stand behind them (the message has the counts until then)
+                latency_p99_microseconds=p99 if len(rtts) >= LATENCY_SAMPLES else None,
+                loss_fraction=(lost / sent) if sent >= MIN_LOSS_DATAGRAMS else None,
                 message=msg[:1024],
             )
         )

@@ -287,7 +287,10 @@ def test_probe_between_the_nodes_passes_and_is_served(env: Env) -> None:
         )
         (p,) = ns["status"]["probe"]["peers"]
         assert p["node"] == peer and p["reachable"] is True
-        assert p["latencyP50Microseconds"] > 0 and p["lossFraction"] <= 0.2
+        assert p["latencyP50Microseconds"] > 0
+        # a loss fraction is stated once 2000 datagrams stand behind it; the counts always
+        assert p.get("lossFraction") is None or p["lossFraction"] <= 0.2
+        assert re.search(r"loss \d+ of \d+ datagrams", p["message"]), p
     metrics = env.run(
         0,
         "python3 -c 'import urllib.request as u; "

@@ -58,3 +58,17 @@ def test_latency_is_judged_on_a_p99_of_enough_samples_and_the_count_is_reported(
     assert s.healthy is False
     assert s.peers is not None and f"{LATENCY_SAMPLES} RTTs" in s.peers[0].message
     assert "datagrams" in s.peers[0].message
+
+
+def test_numbers_the_operator_judges_are_stated_only_on_enough_samples() -> None:
+    history: dict[str, PeerHistory] = {}
+    s, _ = summarize([_round(lost=3)], 1000, 0.01, history)
+    assert s.peers is not None
+    p = s.peers[0]
+    assert p.latency_p99_microseconds is None and p.loss_fraction is None
+    assert "loss 3 of 200 datagrams" in p.message and "over 100 RTTs" in p.message
+    for _ in range(9):
+        s, _ = summarize([_round(lost=3)], 1000, 0.01, history)
+    assert s.peers is not None
+    assert s.peers[0].latency_p99_microseconds == 100.0
+    assert s.peers[0].loss_fraction == 30 / 2000
