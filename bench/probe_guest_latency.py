@@ -56,7 +56,7 @@ SERVER = (
     COMMON
     + r"""
 import threading
-srv = mod.ProbeServer(sys.argv[2], 47990, lambda: local)
+srv = mod.ProbeServer(sys.argv[2], 47990, lambda *rail: local)
 threading.Thread(target=srv.serve, daemon=True).start()
 print("listening", flush=True)
 while True:

@@ -3,7 +3,10 @@
 Peers find each other through their NodeStates: each agent publishes the address of a
 small TCP side channel (`<ip>:<port>` on the RDMA netdev) in the annotation
 `metaroce.io/probe-endpoint`, and probes the next `peersPerNode` nodes after itself in
-name order (a ring, so every node is probed by as many as it probes). A probe session:
+name order (a ring, so every node is probed by as many as it probes), on every served RDMA
+device: rail k of this node against rail k of the peer (the hello names the rail). Peers
+come from a metadata-only index of the NodeStates kept by a watch (`PeerIndex`). A probe
+session:
 
 1. TCP connect; the server opens with a nonce, the client answers with its hello (GID,
    QP numbers, PSN) MACed with the network's probe key (`probe_auth`), and only then does
@@ -95,6 +98,8 @@ class PeerResult:
     message: str = ""
     ud: tuple[int, int] | None = None
     """(sent, received) UD datagrams of this session."""
+    device: str = ""
+    """The local RDMA device (rail) this session ran on."""
 
     def percentile(self, q: float) -> float | None:
         if not self.rtts_us:
@@ -302,7 +307,7 @@ class ProbeServer:
         self,
         address: str,
         port: int,
-        local: Callable[[], Local | None],
+        local: Callable[[int], Local | None],
         *,
         endpoint: Callable[[Local], Any] | None = None,
         key: Callable[[], bytes | None] = lambda: None,
@@ -371,9 +376,10 @@ class ProbeServer:
             _send(conn, {"error": "authentication failed: the client's probe key differs "
                                   "from this node's (the network's probe Secret)"})  # fmt: skip
             return True
-        local = self.local()
+        rail = hello.get("rail", 0)
+        local = self.local(rail) if isinstance(rail, int) and rail >= 0 else None
         if local is None:
-            _send(conn, {"error": "no RDMA device ready on this node"})
+            _send(conn, {"error": f"no RDMA device ready on this node for rail {rail}"})
             return True
 
         def signed(role: str, fields: dict[str, Any]) -> dict[str, Any]:
@@ -450,12 +456,22 @@ def probe_peer(
     *,
     key: bytes | None = None,
     endpoint: Callable[[Local], Any] | None = None,
+    rail: int = 0,
 ) -> PeerResult:
     """One probe session against a peer; with a key, both sides authenticate."""
+
+    def failed(message: str) -> PeerResult:
+        return PeerResult(node, False, message=message, device=local.device)
+
     try:
         conn = socket.create_connection((address, port), timeout=5)
     except OSError as e:
-        return PeerResult(node, False, message=f"side channel {address}:{port} unreachable: {e}")
+        return PeerResult(
+            node,
+            False,
+            device=local.device,
+            message=f"side channel {address}:{port} unreachable: {e}",
+        )
     ep: Any = None
     with conn:
         conn.settimeout(timeout)
@@ -463,7 +479,7 @@ def probe_peer(
         try:
             challenge = _recv(f)
             if "error" in challenge:
-                return PeerResult(node, False, message=str(challenge["error"]))
+                return failed(str(challenge["error"]))
             server_nonce = str(challenge.get("nonce") or "")
             client_nonce = new_nonce()
 
@@ -474,35 +490,42 @@ def probe_peer(
 
             ep = (endpoint or Endpoint)(local)
             ep.post_rc_recv(RC_PINGS + 8)
-            hello = {**ep.hello(), "node": node, "nonce": client_nonce}
+            hello = {**ep.hello(), "node": node, "nonce": client_nonce, "rail": rail}
             if key is not None:
                 hello["mac"] = sign(key, "client", server_nonce, client_nonce, hello)
             _send(conn, hello)
             remote = _recv(f)
             if "error" in remote:
-                return PeerResult(node, False, message=str(remote["error"]))
+                return failed(str(remote["error"]))
             if not authentic("server", remote):
-                return PeerResult(
-                    node, False, message="the peer failed authentication: its probe key differs "
-                    "from this node's, or it has none (the network's probe Secret)"
-                )  # fmt: skip
+                return failed(
+                    "the peer failed authentication: its probe key differs from this "
+                    "node's, or it has none (the network's probe Secret)"
+                )
             ep.connect(remote)
             rtts = _rc_pings(ep)
             if not rtts:
                 _send(conn, {"op": "bye"})
-                return PeerResult(node, False, message="no RC echo within 1 s")
+                return failed("no RC echo within 1 s")
             sent = _ud_burst(ep)
             time.sleep(0.2)
             _send(conn, {"op": "count"})
             counted = _recv(f)
             if not authentic("count", counted):
-                return PeerResult(node, False, message="the peer's count failed authentication")
+                return PeerResult(
+                    node,
+                    False,
+                    device=local.device,
+                    message="the peer's count failed authentication",
+                )
             got = int(counted.get("ud_received", 0))
             _send(conn, {"op": "bye"})
             loss = max(0.0, 1.0 - got / sent) if sent else None
-            return PeerResult(node, True, tuple(rtts), loss, ud=(sent, min(got, sent)))
+            return PeerResult(
+                node, True, tuple(rtts), loss, ud=(sent, min(got, sent)), device=local.device
+            )
         except Exception as e:
-            return PeerResult(node, False, message=f"probe failed: {e}")
+            return failed(f"probe failed: {e}")
         finally:
             if ep is not None:
                 ep.close()
@@ -650,6 +673,38 @@ class PeerHistory:
         return self.loss_failing, lo, hi
 
 
+def _judge(
+    r: PeerResult, h: PeerHistory, max_latency_us: float, max_loss: float
+) -> tuple[bool, str, float | None, float | None, float | None]:
+    """One rail's (ok, message, p50, p99, loss) after adding its samples to `h`; p99 and
+    loss are None until enough samples stand behind them (the operator judges them)."""
+    h.add(r)
+    rtts = list(h.rtts)
+    p99 = _percentile(rtts, 0.99)
+    slow = p99 is not None and len(rtts) >= LATENCY_SAMPLES and p99 > max_latency_us
+    loss_failing, lo, hi = h.judge_loss(max_loss)
+    lost, sent = h.counts()
+    ok = r.reachable and not slow and not loss_failing
+    msg = r.message
+    if r.reachable:
+        shown = "?" if p99 is None else f"{p99:.0f}"
+        pending = "" if len(rtts) >= LATENCY_SAMPLES else ", too few to judge"
+        msg = (
+            f"p99 {shown} us (max {max_latency_us:.0f}) over {len(rtts)} RTTs{pending}; "
+            f"loss {lost} of {sent} datagrams, bound [{lo:.4f}, {hi:.4f}] (max {max_loss})"
+        )
+        if not ok:
+            msg = "failing: " + msg
+    stated_p99 = p99 if len(rtts) >= LATENCY_SAMPLES else None
+    loss = (lost / sent) if sent >= MIN_LOSS_DATAGRAMS else None
+    return ok, msg, _percentile(rtts, 0.5), stated_p99, loss
+
+
+def _worst(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return max(known) if known else None
+
+
 def summarize(
     results: list[PeerResult],
     max_latency_us: float,
@@ -657,43 +712,38 @@ def summarize(
     history: dict[str, PeerHistory] | None = None,
 ) -> tuple[ProbeSummary, tuple[Any, ...]]:
     """The summary and its verdict key (what must change for the NodeState to change).
-    `history` (per peer, kept by the caller across rounds) gets this round's samples; a
-    verdict stands on all of them, and its message says how many."""
+    `history` (per peer and rail, kept by the caller across rounds) gets this round's
+    samples; a verdict stands on all of them, and its message says how many. Several
+    results for one node are its rails: one entry, failing when any rail fails, with the
+    worst rail's numbers and every rail's message."""
     history = {} if history is None else history
+    by_node: dict[str, list[PeerResult]] = {}
+    for r in results:
+        by_node.setdefault(r.node, []).append(r)
     peers = []
     verdicts = []
-    for r in results:
-        h = history.setdefault(r.node, PeerHistory())
-        h.add(r)
-        rtts = list(h.rtts)
-        p99 = _percentile(rtts, 0.99)
-        slow = p99 is not None and len(rtts) >= LATENCY_SAMPLES and p99 > max_latency_us
-        loss_failing, lo, hi = h.judge_loss(max_loss)
-        lost, sent = h.counts()
-        ok = r.reachable and not slow and not loss_failing
-        msg = r.message
-        if r.reachable:
-            shown = "?" if p99 is None else f"{p99:.0f}"
-            pending = "" if len(rtts) >= LATENCY_SAMPLES else ", too few to judge"
-            msg = (
-                f"p99 {shown} us (max {max_latency_us:.0f}) over {len(rtts)} RTTs{pending}; "
-                f"loss {lost} of {sent} datagrams, bound [{lo:.4f}, {hi:.4f}] (max {max_loss})"
-            )
-            if not ok:
-                msg = "failing: " + msg
+    for node, rails in by_node.items():
+        judged = []
+        for r in rails:
+            key = f"{node}/{r.device}" if r.device else node
+            judged.append((r, _judge(r, history.setdefault(key, PeerHistory()), max_latency_us,
+                                     max_loss)))  # fmt: skip
+        ok = all(j[0] for _, j in judged)
+        if len(judged) == 1:
+            message = judged[0][1][1]
+        else:
+            message = "; ".join(f"{r.device}: {j[1]}" for r, j in judged)
         peers.append(
             ProbePeer(
-                node=r.node,
-                reachable=r.reachable,
-                latency_p50_microseconds=_percentile(rtts, 0.5),
-                # the operator judges these numbers itself: state them only once enough
-                # samples stand behind them (the message has the counts until then)
-                latency_p99_microseconds=p99 if len(rtts) >= LATENCY_SAMPLES else None,
-                loss_fraction=(lost / sent) if sent >= MIN_LOSS_DATAGRAMS else None,
-                message=msg[:1024],
+                node=node,
+                reachable=all(r.reachable for r in rails),
+                latency_p50_microseconds=_worst([j[2] for _, j in judged]),
+                latency_p99_microseconds=_worst([j[3] for _, j in judged]),
+                loss_fraction=_worst([j[4] for _, j in judged]),
+                message=message[:1024],
             )
         )
-        verdicts.append((r.node, ok))
+        verdicts.append((node, ok))
     healthy = all(ok for _, ok in verdicts) if verdicts else None
     summary = ProbeSummary(healthy=healthy, last_run_time=now(), peers=peers or None)
     return summary, (healthy, tuple(sorted(verdicts)))
@@ -797,7 +847,7 @@ class Prober:
         node: str,
         address: Callable[[], str | None],
         port: int,
-        local: Callable[[], Local | None],
+        local: Callable[[], list[Local]],
         publish: Callable[[str], None],
         report: Callable[[ProbeSummary], None],
         metrics: Any,
@@ -835,19 +885,21 @@ class Prober:
         cfg = agent.config
         opts = agent.options
 
-        def local() -> Local | None:
+        def local() -> list[Local]:
+            """Every served device with a usable GID, in plan order: rail k of this node
+            is probed against rail k of each peer."""
             from metaroce_agent.transport.base import select_gid
 
             plan = agent.state.plan
-            if plan is None or not plan.devices:
-                return None
-            td = plan.devices[0]
-            dev = agent.state.inventory.rdma_device(td.rdma_device)
-            port = dev.port(td.port) if dev else None
-            gid = select_gid(agent.config, port) if port else None
-            if gid is None:
-                return None
-            return Local(td.rdma_device, td.port, gid.index, agent.config.qos.data.dscp << 2)
+            out = []
+            for td in plan.devices if plan is not None else ():
+                dev = agent.state.inventory.rdma_device(td.rdma_device)
+                port = dev.port(td.port) if dev else None
+                gid = select_gid(agent.config, port) if port else None
+                if gid is not None:
+                    tos = agent.config.qos.data.dscp << 2
+                    out.append(Local(td.rdma_device, td.port, gid.index, tos))
+            return out
 
         def address() -> str | None:
             """The RDMA netdev's address (`probe_address`); None while it has none."""
@@ -917,7 +969,7 @@ class Prober:
                 self.publish("")
                 return
             try:
-                self.server = ProbeServer(address, self.port, self.local, key=self.key)
+                self.server = ProbeServer(address, self.port, self._rail, key=self.key)
             except OSError as e:
                 log.error(
                     "probe server cannot listen on %s:%d: %s; no probes from this node. If "
@@ -939,10 +991,14 @@ class Prober:
     def endpoints(self) -> dict[str, str]:
         return self.index.endpoints()
 
+    def _rail(self, rail: int) -> Local | None:
+        rails = self.local()
+        return rails[rail] if rail < len(rails) else None
+
     def round(self) -> ProbeSummary | None:
         self.refresh()
-        local = self.local()
-        if local is None:
+        rails = self.local()
+        if not rails:
             return None
         try:
             key = self.key()
@@ -958,19 +1014,11 @@ class Prober:
         for node in choose_peers(self.node, endpoints, self.peers):
             host, port = split_endpoint(endpoints[node])
             t0 = time.monotonic()
-            r = probe_peer(node, host, port, local, key=key)
-            results.append(r)
-            m = self.metrics
-            m.probe_rounds.labels(peer=node, result="ok" if r.reachable else "unreachable").inc()
-            for q in (0.5, 0.9, 0.99):
-                v = r.percentile(q)
-                if v is not None:
-                    m.probe_latency.labels(peer=node, quantile=str(q)).set(v)
-            for rtt in r.rtts_us:
-                m.probe_rtt.observe(rtt)
-            if r.loss is not None:
-                m.probe_loss.labels(peer=node).set(r.loss)
-            log.debug("probe %s: %s in %.2f s", node, r, time.monotonic() - t0)
+            mine = [probe_peer(node, host, port, loc, key=key, rail=k)
+                    for k, loc in enumerate(rails)]  # fmt: skip
+            results.extend(mine)
+            self._record(node, mine)
+            log.debug("probe %s: %s in %.2f s", node, mine, time.monotonic() - t0)
         self.rounds += 1
         if not results:
             return None
@@ -980,6 +1028,25 @@ class Prober:
             log.info("probe verdict: %s", verdict)
             self.report(summary)
         return summary
+
+    def _record(self, node: str, rails: list[PeerResult]) -> None:
+        """Metrics of one peer's sessions: every RTT observed; the gauges show the worst
+        rail (a peer's label set stays {peer}, whatever its rails)."""
+        m = self.metrics
+        if m is None:
+            return
+        ok = all(r.reachable for r in rails)
+        m.probe_rounds.labels(peer=node, result="ok" if ok else "unreachable").inc()
+        for q in (0.5, 0.9, 0.99):
+            v = _worst([r.percentile(q) for r in rails])
+            if v is not None:
+                m.probe_latency.labels(peer=node, quantile=str(q)).set(v)
+        for r in rails:
+            for rtt in r.rtts_us:
+                m.probe_rtt.observe(rtt)
+        loss = _worst([r.loss for r in rails])
+        if loss is not None:
+            m.probe_loss.labels(peer=node).set(loss)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):

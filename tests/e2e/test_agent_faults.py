@@ -2,10 +2,12 @@
 a real SoftRoCE guest: whatever moment the seed picks, the next run converges, and nothing
 is half-applied or duplicated (issue 15, "Faults on the real guests").
 
-Each run starts `metaroce agent --once` (or `--revert`) and SIGKILLs it after a delay the
-seed draws from the span of a calibration run (start-up included, so some kills land
-before the pass, most inside it: the log's last line says where). Then the same command
-runs to the end, and the node must hold exactly:
+Each run starts `metaroce agent --once` (or `--revert`) and SIGKILLs it from inside the
+guest (`KILLER`, so the guest channel's latency does not blur the moment) a delay after a
+log line: the seed picks which step's "[k/N] apply" line (or "revert: undoing") and a
+delay within what a calibration run measured from that line to the end, so kills land
+inside the pass (start-up alone takes seconds on a TCG guest). The log's last line says
+where each landed. Then the same command runs to the end, and the node must hold exactly:
 
 - one rxe link on eth0, one clsact qdisc and one tc filter (pref 4791) on its egress,
   rdma_cm's `default_roce_tos` of the configured DSCP;
@@ -22,8 +24,8 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
-import time
+import re
+import shlex
 from typing import Any
 
 import pytest
@@ -98,28 +100,62 @@ def assert_reverted(st: dict[str, Any], what: str) -> None:
     assert st["journal"] is None or not st["journal"].get("entries"), f"{what}: {st}"
 
 
+KILLER = r"""#!/bin/bash
+# killer.sh PATTERN DELAY LOG -- CMD...: run CMD, SIGKILL it DELAY s after PATTERN is logged
+pattern=$1 delay=$2 log=$3; shift 4
+: >"$log"
+"$@" >>"$log" 2>&1 &
+pid=$!
+until grep -qF -- "$pattern" "$log"; do
+  if ! kill -0 $pid 2>/dev/null; then echo NOTSEEN; wait $pid; echo "rc=$?"; exit 0; fi
+  sleep 0.005
+done
+t0=$(date +%s%N)
+sleep "$delay"
+if kill -9 $pid 2>/dev/null; then echo KILLED; else echo EXITED; fi
+wait $pid
+echo "rc=$?"
+echo "span_ms=$(( ($(date +%s%N) - t0) / 1000000 ))"
+grep -v '^ *$' "$log" | tail -n 1
+"""
+
+
 def run_to_end(g: Any, args: str) -> str:
     r = g.run(f"{AGENT} {args} >>{LOG} 2>&1; echo rc=$?", timeout=300)
     assert "rc=0" in r.stdout, f"{args}: {r.stdout}\n{sh(g, f'tail -n 30 {LOG}')}"
     return str(r.stdout)
 
 
-def calibrate(g: Any, args: str) -> float:
-    """Wall seconds of one uninterrupted run of `args`."""
-    t0 = time.monotonic()
-    run_to_end(g, args)
-    return time.monotonic() - t0
+def killed(g: Any, args: str, pattern: str, delay: float) -> tuple[str, float]:
+    """Run `args` and kill -9 it `delay` s after `pattern` is logged (a delay past its end
+    lets it finish): where it was, and the seconds from the pattern to its end."""
+    cmd = f"bash /tmp/killer.sh {shlex.quote(pattern)} {delay:.3f} {LOG} -- {AGENT} {args}"
+    out = sh(g, cmd, timeout=300)
+    assert "NOTSEEN" not in out, f"{pattern!r} never logged:\n{sh(g, f'tail -n 30 {LOG}')}"
+    state = out.split()[0].lower()
+    span = re.search(r"^span_ms=(\d+)", out, re.M)
+    last = out.strip().splitlines()[-1][-120:]
+    where = f"{state} {delay:.2f} s after {pattern!r}, at: {last}"
+    return where, int(span.group(1)) / 1000 if span else 0.0
 
 
-def kill_at(g: Any, args: str, delay: float) -> str:
-    """Start `args`, SIGKILL it after `delay` s; the log line it was at."""
-    sh(g, f": >{LOG}")
-    job = g.start(f"exec {AGENT} {args} >>{LOG} 2>&1")
-    time.sleep(delay)
-    result = job.kill(signal.SIGKILL, timeout=5)
-    lines = [ln for ln in sh(g, f"cat {LOG}").splitlines() if ln.strip()]
-    ended = f"exited {result.returncode} first" if result.returncode != -9 else "killed"
-    return f"{ended} after {delay:.2f} s at: {(lines or ['(nothing logged)'])[-1][-140:]}"
+def calibrate(g: Any, args: str) -> dict[str, float]:
+    """Run `args` to its end: {pattern: seconds from it to the end} for each step line it
+    logged ("revert: undoing" for a revert)."""
+    first = "revert: undoing" if "--revert" in args else "] apply "
+    _, total = killed(g, args, first, 600)
+    if "--revert" in args:
+        return {"revert: undoing": total}
+    steps = [f"[{k}/" for k in re.findall(r"\[(\d+)/\d+\] apply", sh(g, f"cat {LOG}"))]
+    assert steps, sh(g, f"cat {LOG}")
+    n = len(steps)  # the later a step, the less is left after it: about evenly spread
+    return {p: max(0.05, total * (n - i) / n) for i, p in enumerate(steps)}
+
+
+def kill_somewhere(g: Any, rng: random.Random, args: str, spans: dict[str, float]) -> str:
+    pattern = rng.choice(sorted(spans))
+    where, _ = killed(g, args, pattern, rng.uniform(0, spans[pattern]))
+    return where
 
 
 def test_kill_9_anywhere_in_apply_reapply_and_revert_converges(node1: Any) -> None:
@@ -127,31 +163,38 @@ def test_kill_9_anywhere_in_apply_reapply_and_revert_converges(node1: Any) -> No
     rng = random.Random(SEED)
     print(f"\nfault runs: seed {SEED}, {RUNS} kill(s) per scenario")
     clean(g)
+    g.write_file("/tmp/killer.sh", KILLER, mode=0o755)
     try:
-        # 1. first apply, killed anywhere; the next run converges
+        # 1. first apply, killed anywhere in it; the next run converges
         g.write_file(CONFIG, config(26))
-        span = calibrate(g, "--once")
-        assert_applied(node_state(g), 26, "calibration")
+        spans = calibrate(g, "--once")
+        assert_applied(node_state(g), 26, "apply calibration")
+        print(f"  apply calibration (s left after each step line): {spans}")
         for i in range(RUNS):
             clean(g)
-            where = kill_at(g, "--once", rng.uniform(0.3, span))
+            where = kill_somewhere(g, rng, "--once", spans)
             run_to_end(g, "--once")
             print(f"  apply {i + 1}: {where}")
             assert_applied(node_state(g), 26, f"apply, kill {i + 1} ({where})")
         # 2. re-apply 26 -> 34 and back, killed anywhere: converges to the configured DSCP
+        g.write_file(CONFIG, config(34))
+        spans = calibrate(g, "--once")  # 26 -> 34 changes the same steps as 34 -> 26
+        assert_applied(node_state(g), 34, "re-apply calibration")
+        print(f"  re-apply calibration: {spans}")
         for i in range(RUNS):
-            dscp = (34, 26)[i % 2]
+            dscp = (26, 34)[i % 2]
             g.write_file(CONFIG, config(dscp))
-            where = kill_at(g, "--once", rng.uniform(0.3, span))
+            where = kill_somewhere(g, rng, "--once", spans)
             run_to_end(g, "--once")
             print(f"  re-apply to {dscp} {i + 1}: {where}")
             assert_applied(node_state(g), dscp, f"re-apply, kill {i + 1} ({where})")
         # 3. revert, killed anywhere: the next revert leaves nothing of the agent's
-        revert_span = calibrate(g, "--revert")
+        spans = calibrate(g, "--revert")
         assert_reverted(node_state(g), "revert calibration")
+        print(f"  revert calibration: {spans}")
         for i in range(RUNS):
             run_to_end(g, "--once")
-            where = kill_at(g, "--revert", rng.uniform(0.3, revert_span))
+            where = kill_somewhere(g, rng, "--revert", spans)
             run_to_end(g, "--revert")
             print(f"  revert {i + 1}: {where}")
             assert_reverted(node_state(g), f"revert, kill {i + 1} ({where})")

@@ -60,7 +60,12 @@ class FakeEndpoint:
 def server() -> Iterator[ProbeServer]:
     FakeEndpoint.made = 0
     srv = ProbeServer(
-        "127.0.0.1", 0, lambda: LOCAL, endpoint=FakeEndpoint, key=lambda: KEY, session_seconds=2
+        "127.0.0.1",
+        0,
+        lambda rail: LOCAL,
+        endpoint=FakeEndpoint,
+        key=lambda: KEY,
+        session_seconds=2,
     )
     threading.Thread(target=srv.serve, daemon=True).start()
     try:

@@ -58,7 +58,7 @@ def _prober(kube: Any) -> Prober:
         node="node-1",
         address=lambda: None,
         port=0,
-        local=lambda: None,
+        local=lambda: [],
         publish=lambda e: None,
         report=lambda s: None,
         metrics=None,

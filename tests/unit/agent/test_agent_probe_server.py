@@ -52,7 +52,7 @@ LOCAL = Local("rxe_eth0", 1, 1, 104)
 @pytest.fixture
 def server(request: pytest.FixtureRequest) -> Iterator[ProbeServer]:
     kw = getattr(request, "param", {})
-    srv = ProbeServer("127.0.0.1", 0, lambda: kw.get("local"), **kw.get("args", {}))
+    srv = ProbeServer("127.0.0.1", 0, lambda rail: kw.get("local"), **kw.get("args", {}))
     threading.Thread(target=srv.serve, daemon=True).start()
     try:
         yield srv
