@@ -323,6 +323,18 @@ class Host:
     ) -> CommandResult:
         return self.runner.run(argv, check=check, timeout=timeout)
 
+    def own_fds_holding(self, device_paths: Iterable[str]) -> int:
+        """How many of this process's descriptors are open on one of `device_paths`."""
+        wanted = set(device_paths)
+        count = 0
+        for fd in self.listdir("/proc/self/fd") if wanted else []:
+            try:
+                if os.readlink(self.path(f"/proc/self/fd/{fd}")) in wanted:
+                    count += 1
+            except OSError:
+                continue
+        return count
+
     def pids_holding(self, device_paths: Iterable[str]) -> dict[int, str]:
         """`{pid: comm}` of processes with one of `device_paths` (e.g. /dev/infiniband/
         uverbs0) open, from /proc/<pid>/fd."""
