@@ -26,6 +26,7 @@ import os
 import random
 import re
 import shlex
+import time
 from typing import Any
 
 import pytest
@@ -198,5 +199,44 @@ def test_kill_9_anywhere_in_apply_reapply_and_revert_converges(node1: Any) -> No
             run_to_end(g, "--revert")
             print(f"  revert {i + 1}: {where}")
             assert_reverted(node_state(g), f"revert, kill {i + 1} ({where})")
+    finally:
+        clean(g)
+
+
+HOLD = r"""
+import time
+from pyverbs.device import Context
+from pyverbs.pd import PD
+ctx = Context(name="rxe_eth0"); pd = PD(ctx)
+print("holding", flush=True)
+time.sleep(600)
+"""
+
+
+def test_revert_in_its_own_pid_namespace_sees_a_job_holding_the_link(node1: Any) -> None:
+    """Finding 12 on the real kernel: an agent without hostPID (here: `unshare -p`, its
+    own PID namespace, where /proc shows none of the node's processes) keeps an rxe link
+    that a job's process holds, and deletes it once the job is gone."""
+    g = node1
+    clean(g)
+    try:
+        g.write_file(CONFIG, config(26))
+        run_to_end(g, "--once")
+        g.write_file("/tmp/hold.py", HOLD)
+        job = g.start("exec python3 /tmp/hold.py >/tmp/hold.log 2>&1")
+        for _ in range(120):
+            if "holding" in sh(g, "cat /tmp/hold.log"):
+                break
+            time.sleep(0.5)
+        own_ns = f"unshare -p -f --mount-proc {AGENT} --revert"
+        r = g.run(f"{own_ns} >>{LOG} 2>&1; echo rc=$?", timeout=300)
+        log = sh(g, f"tail -n 20 {LOG}")
+        assert "rc=1" in r.stdout, f"revert should have kept the link: {r.stdout}\n{log}"
+        assert "verbs context(s) of other processes" in log, log
+        assert node_state(g)["links"] == 1
+        job.kill()
+        r = g.run(f"{own_ns} >>{LOG} 2>&1; echo rc=$?", timeout=300)
+        assert "rc=0" in r.stdout, sh(g, f"tail -n 20 {LOG}")
+        assert_reverted(node_state(g), "revert after the job ended")
     finally:
         clean(g)
