@@ -593,22 +593,31 @@ def probe_address(ipv4: Sequence[str], ipv6: Sequence[str]) -> str | None:
     return None
 
 
+PROTOCOL = "probe2"
+"""The side channel's protocol, named in the published endpoint: agents from before it
+(bare `<ip>:<port>`, no nonces) and after it skip each other's endpoints during a rollout
+instead of failing each other's probes."""
+
+
 def endpoint_text(address: str, port: int) -> str:
-    """`<ipv4>:<port>` or `[<ipv6>]:<port>`."""
-    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+    """`probe2://<ipv4>:<port>` or `probe2://[<ipv6>]:<port>`."""
+    hostport = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+    return f"{PROTOCOL}://{hostport}"
 
 
 def split_endpoint(endpoint: str) -> tuple[str, int]:
-    host, _, port = endpoint.rpartition(":")
+    host, _, port = endpoint.removeprefix(f"{PROTOCOL}://").rpartition(":")
     return host.strip("[]"), int(port)
 
 
 def _probeable(endpoint: str) -> bool:
-    """A peer's published `<ip>:<port>` names a real remote address: not unspecified
-    (0.0.0.0 would reach the prober's own host) and not loopback."""
+    """A peer's published endpoint speaks this protocol and names a real remote address:
+    not unspecified (0.0.0.0 would reach the prober's own host) and not loopback."""
     import ipaddress
 
-    host, _, port = endpoint.rpartition(":")
+    if not endpoint.startswith(f"{PROTOCOL}://"):
+        return False
+    host, _, port = endpoint.removeprefix(f"{PROTOCOL}://").rpartition(":")
     try:
         ip = ipaddress.ip_address(host.strip("[]"))
     except ValueError:
@@ -763,6 +772,8 @@ class PeerIndex:
         self._items: dict[str, tuple[str, str]] = {}  # object name -> (node, endpoint)
         self._lock = threading.Lock()
         self.resource_version: str | None = None
+        self.old_protocol: set[str] = set()
+        """Peers whose endpoint is of the protocol before PROTOCOL (a rollout)."""
 
     def _entry(self, obj: dict[str, Any]) -> tuple[str, tuple[str, str] | None]:
         md = obj.get("metadata") or {}
@@ -772,6 +783,11 @@ class PeerIndex:
             node = str((full.get("spec") or {}).get("node") or "")
         ep = str((md.get("annotations") or {}).get(constants.PROBE_ENDPOINT_ANNOTATION) or "")
         ok = node and node != self.me and _probeable(ep)
+        old = bool(node) and node != self.me and bool(ep) and "://" not in ep
+        with self._lock:
+            if old and node not in self.old_protocol:
+                log.info("probe: %s runs an older probe protocol: skipped until upgraded", node)
+            (self.old_protocol.add if old else self.old_protocol.discard)(node)
         return str(md.get("name") or ""), ((node, ep) if ok else None)
 
     def relist(self) -> None:

@@ -283,7 +283,7 @@ def test_probe_between_the_nodes_passes_and_is_served(env: Env) -> None:
             timeout=180,
         )
         assert ns["metadata"]["annotations"]["metaroce.io/probe-endpoint"] == (
-            f"{env.guests[i].ip}:47911"
+            f"probe2://{env.guests[i].ip}:47911"
         )
         (p,) = ns["status"]["probe"]["peers"]
         assert p["node"] == peer and p["reachable"] is True

@@ -31,7 +31,10 @@ class MetadataKube:
 
     def __init__(self) -> None:
         self.lists = 0
-        self.items = [_meta("node-1", "10.0.0.1:47911"), _meta("node-2", "10.0.0.2:47911")]
+        self.items = [
+            _meta("node-1", "probe2://10.0.0.1:47911"),
+            _meta("node-2", "probe2://10.0.0.2:47911"),
+        ]
         self.events: list[dict[str, Any]] = []
         self.watching = threading.Event()
 
@@ -72,27 +75,49 @@ def _prober(kube: Any) -> Prober:
 def test_peers_come_from_metadata_listed_once_and_kept_by_a_watch() -> None:
     kube = MetadataKube()
     p = _prober(kube)
-    assert p.endpoints() == {"node-2": "10.0.0.2:47911"}
-    assert p.endpoints() == {"node-2": "10.0.0.2:47911"}
+    assert p.endpoints() == {"node-2": "probe2://10.0.0.2:47911"}
+    assert p.endpoints() == {"node-2": "probe2://10.0.0.2:47911"}
     assert kube.lists == 1  # the second round asked nothing
     stop = threading.Event()
     threading.Thread(target=p.index.run, args=(stop,), daemon=True).start()
     assert kube.watching.wait(5)
     kube.events = [
-        {"type": "ADDED", "object": _meta("node-3", "10.0.0.3:47911", "6")},
-        {"type": "MODIFIED", "object": _meta("node-2", "10.0.0.22:47911", "7")},
+        {"type": "ADDED", "object": _meta("node-3", "probe2://10.0.0.3:47911", "6")},
+        {"type": "MODIFIED", "object": _meta("node-2", "probe2://10.0.0.22:47911", "7")},
     ]
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and len(p.endpoints()) < 2:
         time.sleep(0.02)
     stop.set()
-    assert p.endpoints() == {"node-2": "10.0.0.22:47911", "node-3": "10.0.0.3:47911"}
+    assert p.endpoints() == {
+        "node-2": "probe2://10.0.0.22:47911",
+        "node-3": "probe2://10.0.0.3:47911",
+    }
     assert kube.lists == 1
 
 
 def test_a_deleted_nodestate_leaves_the_index() -> None:
     index = PeerIndex(MetadataKube(), "rdma-a", "node-1")
     index.relist()
-    index.apply({"type": "DELETED", "object": _meta("node-2", "10.0.0.2:47911", "9")})
+    index.apply({"type": "DELETED", "object": _meta("node-2", "probe2://10.0.0.2:47911", "9")})
     assert index.endpoints() == {}
     assert index.resource_version == "9"
+
+
+def test_peers_on_the_old_probe_protocol_are_skipped_not_failed() -> None:
+    """A rollout runs old and new agents side by side: the endpoint names its protocol
+    (`probe2://`), so a new agent skips an old peer's bare `<ip>:<port>` (instead of
+    failing it and risking a taint), and an old agent cannot parse a new endpoint (so it
+    skips the new peer in turn)."""
+    kube = MetadataKube()
+    kube.items = [
+        _meta("node-2", "10.0.0.2:47911"),  # an agent from before the change
+        _meta("node-3", "probe2://10.0.0.3:47911"),
+        _meta("node-4", "probe2://[fd00::4]:47911"),
+    ]
+    index = PeerIndex(kube, "rdma-a", "node-1")
+    assert index.endpoints() == {
+        "node-3": "probe2://10.0.0.3:47911",
+        "node-4": "probe2://[fd00::4]:47911",
+    }
+    assert index.old_protocol == {"node-2"}

@@ -93,7 +93,7 @@ def test_every_peer_is_probed_on_every_rail(monkeypatch: pytest.MonkeyPatch) -> 
         local=lambda: list(RAILS), publish=lambda e: None, report=reports.append,
         metrics=None, interval=3600, peers=1, max_latency_us=1000, max_loss=0.01,
     )  # fmt: skip
-    p.endpoints = lambda: {"node-2": "10.0.0.2:47911"}  # type: ignore[method-assign]
+    p.endpoints = lambda: {"node-2": "probe2://10.0.0.2:47911"}  # type: ignore[method-assign]
     p.refresh = lambda: None  # type: ignore[method-assign]
     summary = p.round()
     assert calls == [("node-2", "mlx5_0", 0), ("node-2", "mlx5_1", 1)]
