@@ -16,7 +16,9 @@ where each landed. Then the same command runs to the end, and the node must hold
 - after a revert: none of it (no rxe link, no filter, no clsact, no journal).
 
 `METAROCE_FAULT_SEED` (default 15) and `METAROCE_FAULT_RUNS` (kills per scenario, default
-3) make a run repeatable; the seed and each kill's delay and landing point are printed.
+2: about 18 agent processes, 5-10 minutes on a busy 2-core machine, as TCG start-up is
+slow) make a run repeatable and longer loops possible; the seed and each kill's delay and
+landing point are printed (`-s`).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ AGENT = (
     "--no-device-plugin --require-pyverbs --log-level info"
 )
 SEED = int(os.environ.get("METAROCE_FAULT_SEED", "15"))
-RUNS = int(os.environ.get("METAROCE_FAULT_RUNS", "3"))
+RUNS = int(os.environ.get("METAROCE_FAULT_RUNS", "2"))
 
 
 def config(dscp: int) -> str:
@@ -138,7 +140,8 @@ def killed(g: Any, args: str, pattern: str, delay: float) -> tuple[str, float]:
     lets it finish): where it was, and the seconds from the pattern to its end."""
     cmd = f"bash /tmp/killer.sh {shlex.quote(pattern)} {delay:.6f} {LOG} -- {AGENT} {args}"
     out = sh(g, cmd, timeout=300)
-    assert "NOTSEEN" not in out, f"{pattern!r} never logged:\n{sh(g, f'tail -n 30 {LOG}')}"
+    if "NOTSEEN" in out:  # this pass changed fewer steps (a module already loaded): no kill
+        return f"not killed: {pattern!r} never logged (the pass had fewer steps)", 0.0
     state = out.split()[0].lower()
     span = re.search(r"^span_ms=(\d+)", out, re.M)
     last = out.strip().splitlines()[-1][-120:]
@@ -150,7 +153,8 @@ def calibrate(g: Any, args: str) -> dict[str, float]:
     """Run `args` to its end: {pattern: seconds from it to the end} for each step line it
     logged ("revert: undoing" for a revert)."""
     first = "revert: undoing" if "--revert" in args else "] apply "
-    _, total = killed(g, args, first, 600)
+    where, total = killed(g, args, first, 600)
+    assert not where.startswith("not killed"), f"{first!r} never logged: {sh(g, f'cat {LOG}')}"
     if "--revert" in args:
         return {"revert: undoing": total}
     steps = [f"[{k}/" for k in re.findall(r"\[(\d+)/\d+\] apply", sh(g, f"cat {LOG}"))]
@@ -174,6 +178,8 @@ def test_kill_9_anywhere_in_apply_reapply_and_revert_converges(node1: Any) -> No
     try:
         # 1. first apply, killed anywhere in it; the next run converges
         g.write_file(CONFIG, config(26))
+        calibrate(g, "--once")  # loads the kernel modules: the runs below have one step less
+        clean(g)
         spans = calibrate(g, "--once")
         assert_applied(node_state(g), 26, "apply calibration")
         print(f"  apply calibration (s left after each step line): {spans}")
