@@ -19,6 +19,7 @@ from pathlib import Path
 from types import FrameType
 
 from metaroce_agent.plan import QOS_KNOBS
+from metaroce_agent.probe_auth import DEFAULT_KEY_FILE as DEFAULT_PROBE_KEY_FILE
 from metaroce_api.constants import AGENT_METRICS_PORT, AGENT_PROBE_PORT, DEVICE_PLUGIN_DIR
 
 log = logging.getLogger("metaroce.agent")
@@ -111,6 +112,13 @@ def agent_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-probe", dest="probe", action="store_false")
     p.add_argument("--probe-port", default=str(DEFAULT_PROBE_PORT))
     p.add_argument(
+        "--probe-key-file",
+        default=str(DEFAULT_PROBE_KEY_FILE),
+        help="the network's probe key (a mounted Secret) that authenticates probe peers; "
+        f"without the file the side channel is not authenticated (default "
+        f"{DEFAULT_PROBE_KEY_FILE})",
+    )
+    p.add_argument(
         "--device-plugin-dir",
         default=str(DEFAULT_DEVICE_PLUGIN_DIR),
         help="the kubelet's device-plugin directory, where the network's device plugin "
@@ -173,6 +181,7 @@ def run_main(argv: list[str]) -> int:
         require_pyverbs=args.require_pyverbs,
         probe=args.probe,
         probe_port=probe_port,
+        probe_key_file=Path(args.probe_key_file),
         device_plugin_dir=plugin_dir,
     )
     try:

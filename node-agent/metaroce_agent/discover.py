@@ -143,6 +143,7 @@ class NetDevice:
     numa_node: int | None = None
     speed_mbps: int | None = None
     ipv4: tuple[str, ...] = ()
+    ipv6: tuple[str, ...] = ()
     virtual: bool = False
 
 
@@ -546,7 +547,11 @@ def discover(host: Host, *, require_pyverbs: bool = False) -> Inventory:
         if name == "lo" or not host.is_dir(f"/sys/class/net/{name}"):
             continue
         nd = read_netdev(host, name)
-        nd = replace(nd, ipv4=tuple(host.netlink.ipv4_addresses(name)))
+        nd = replace(
+            nd,
+            ipv4=tuple(host.netlink.ipv4_addresses(name)),
+            ipv6=tuple(host.netlink.ipv6_addresses(name)),
+        )
         netdevs.append(nd)
     by_name = {n.name: n for n in netdevs}
     devices = []

@@ -39,7 +39,12 @@ def metric_name(prefix: str, counter: str) -> str:
     return f"{prefix}_{name}"
 
 
-class RdmaCounterCollector(Collector):
+def _escape(value: str) -> str:
+    """A label value as the text format wants it: backslash, quote and newline escaped."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+class RdmaCounterCollector:
     """Reads the counters of the network's RDMA devices at scrape time."""
 
     def __init__(
@@ -84,33 +89,17 @@ class RdmaCounterCollector(Collector):
                 out.append(("metaroce_rdma_hw", dev, "", netdev, values))
         return out
 
-    def collect(self) -> Iterator[Metric]:
-        families: dict[str, CounterMetricFamily] = {}
-        for prefix, dev, port, netdev, values in self._read():
-            labels = [dev, port, netdev, self.network]
-            for counter, text in values.items():
-                if counter in NOT_COUNTERS or not text.isdigit():
-                    continue
-                name = metric_name(prefix, counter)
-                fam = families.get(name)
-                if fam is None:
-                    doc = "RDMA port counter" if prefix.endswith("port") else "RDMA driver counter"
-                    fam = families[name] = CounterMetricFamily(
-                        name, f"{doc} {counter}", labels=LABELS
-                    )
-                fam.add_metric(labels, float(text))
-        yield from families.values()
-
     def render(self) -> str:
-        """The counters in the Prometheus text format, rendered directly.
-
-        Same metrics as `collect()`, without prometheus_client's per-sample formatting
-        and validation (which costs more than reading the files on an 8-NIC node).
-        """
+        """The counters in the Prometheus text format, rendered directly: the one way they
+        are served (prometheus_client's per-sample formatting and validation costs more
+        than reading the files on an 8-NIC node)."""
         groups: dict[str, list[str]] = {}
         names = self._names
         for prefix, dev, port, netdev, values in self._read():
-            lbl = f'{{device="{dev}",netdev="{netdev}",network="{self.network}",port="{port}"}}'
+            lbl = (
+                f'{{device="{_escape(dev)}",netdev="{_escape(netdev)}",'
+                f'network="{_escape(self.network)}",port="{_escape(port)}"}}'
+            )
             for counter, text in values.items():
                 if not text.isdigit() or counter in NOT_COUNTERS:
                     continue

@@ -122,6 +122,8 @@ class Netlink(Protocol):
 
     def ipv4_addresses(self, ifname: str) -> list[str]: ...
 
+    def ipv6_addresses(self, ifname: str) -> list[str]: ...
+
     def link_kind(self, ifname: str) -> str | None: ...
 
     def qdisc_kinds(self, ifname: str) -> list[str]: ...
@@ -321,6 +323,18 @@ class Host:
     ) -> CommandResult:
         return self.runner.run(argv, check=check, timeout=timeout)
 
+    def own_fds_holding(self, device_paths: Iterable[str]) -> int:
+        """How many of this process's descriptors are open on one of `device_paths`."""
+        wanted = set(device_paths)
+        count = 0
+        for fd in self.listdir("/proc/self/fd") if wanted else []:
+            try:
+                if os.readlink(self.path(f"/proc/self/fd/{fd}")) in wanted:
+                    count += 1
+            except OSError:
+                continue
+        return count
+
     def pids_holding(self, device_paths: Iterable[str]) -> dict[int, str]:
         """`{pid: comm}` of processes with one of `device_paths` (e.g. /dev/infiniband/
         uverbs0) open, from /proc/<pid>/fd."""
@@ -374,6 +388,14 @@ class PyRoute2Netlink:
         with self._ipr() as ipr:
             try:
                 msgs = ipr.get_addr(family=2, index=self._index(ipr, ifname))
+            except HostError:
+                return []
+            return [str(m.get_attr("IFA_ADDRESS")) for m in msgs]
+
+    def ipv6_addresses(self, ifname: str) -> list[str]:
+        with self._ipr() as ipr:
+            try:
+                msgs = ipr.get_addr(family=10, index=self._index(ipr, ifname))
             except HostError:
                 return []
             return [str(m.get_attr("IFA_ADDRESS")) for m in msgs]

@@ -112,8 +112,8 @@ class KubeClient:
         return cls.from_kubeconfig(path) if path else cls.in_cluster()
 
     # --- requests ----------------------------------------------------------------------
-    def _headers(self, content_type: str | None) -> dict[str, str]:
-        h = {"Accept": "application/json", "User-Agent": "metaroce-agent"}
+    def _headers(self, content_type: str | None, accept: str | None = None) -> dict[str, str]:
+        h = {"Accept": accept or "application/json", "User-Agent": "metaroce-agent"}
         token = self.token
         if self.token_file is not None:
             try:
@@ -139,13 +139,15 @@ class KubeClient:
         *,
         content_type: str | None = None,
         params: dict[str, str] | None = None,
+        accept: str | None = None,
     ) -> dict[str, Any]:
+        """`accept`: e.g. METADATA_LIST, for the objects' metadata only."""
         if params:
             path = f"{path}?{urllib.parse.urlencode(params)}"
         data = None if body is None else json.dumps(body).encode()
         if data is not None and content_type is None:
             content_type = "application/json"
-        headers = self._headers(content_type)
+        headers = self._headers(content_type, accept)
         with self._conn_lock:
             for attempt in (0, 1):
                 reused = self._conn_kept is not None
@@ -210,13 +212,19 @@ class KubeClient:
         )
 
     def watch(
-        self, path: str, params: dict[str, str], timeout: float = 330.0
+        self,
+        path: str,
+        params: dict[str, str],
+        timeout: float = 330.0,
+        *,
+        accept: str | None = None,
     ) -> Iterator[dict[str, Any]]:
-        """Events (`{"type": ..., "object": ...}`) of a watch, until the server ends it."""
+        """Events (`{"type": ..., "object": ...}`) of a watch, until the server ends it;
+        `accept` METADATA_WATCH for the objects' metadata only."""
         query = urllib.parse.urlencode({**params, "watch": "true"})
         conn = self._conn(timeout)
         try:
-            conn.request("GET", f"{path}?{query}", headers=self._headers(None))
+            conn.request("GET", f"{path}?{query}", headers=self._headers(None, accept))
             resp = conn.getresponse()
             if resp.status >= 400:
                 raise KubeError(resp.status, f"watch {path}: {resp.status} {resp.read()[:300]!r}")
@@ -234,6 +242,11 @@ class KubeClient:
             raise KubeError(0, f"watch {path}: {e}") from e
         finally:
             conn.close()
+
+
+METADATA_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
+"""Accept header of a list that returns only each object's metadata."""
+METADATA_WATCH = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
 
 
 def _split_server(server: str) -> tuple[str, int]:

@@ -77,6 +77,9 @@ class AgentOptions:
     probe: bool | None = None
     """None = as the config says (probe.enabled)."""
     probe_port: int = constants.AGENT_PROBE_PORT
+    probe_key_file: Path | None = None
+    """The network's probe key (a mounted Secret); None or an absent file = the probe's
+    side channel is not authenticated."""
     watch: bool = True
     device_plugin_dir: Path | None = None
     """The kubelet's device-plugin directory (/var/lib/kubelet/device-plugins); None = no
@@ -232,6 +235,7 @@ class Agent:
                 h.read_opt(f"/sys/class/net/{n}/operstate"),
                 h.read_opt(f"/sys/class/net/{n}/mtu"),
                 tuple(h.netlink.ipv4_addresses(n)),
+                tuple(h.netlink.ipv6_addresses(n)),
             )
             for n in (plan.netdevs if plan else ())
         )

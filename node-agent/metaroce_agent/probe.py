@@ -3,10 +3,15 @@
 Peers find each other through their NodeStates: each agent publishes the address of a
 small TCP side channel (`<ip>:<port>` on the RDMA netdev) in the annotation
 `metaroce.io/probe-endpoint`, and probes the next `peersPerNode` nodes after itself in
-name order (a ring, so every node is probed by as many as it probes). A probe session:
+name order (a ring, so every node is probed by as many as it probes), on every served RDMA
+device: rail k of this node against rail k of the peer (the hello names the rail). Peers
+come from a metadata-only index of the NodeStates kept by a watch (`PeerIndex`). A probe
+session:
 
-1. TCP connect; both sides create a PD, CQs, an MR, one RC and one UD queue pair on the
-   network's RDMA device and exchange GID, QP numbers and PSNs as JSON lines;
+1. TCP connect; the server opens with a nonce, the client answers with its hello (GID,
+   QP numbers, PSN) MACed with the network's probe key (`probe_auth`), and only then does
+   the server create a PD, CQs, an MR, one RC and one UD queue pair on the network's
+   RDMA device and answer with its own MACed hello, which the client checks;
 2. RC: the client sends small messages, the server echoes each: round-trip times give
    reachability and latency percentiles (RC retransmits, so it hides loss);
 3. UD: the client sends a burst of datagrams, the server counts what arrived; the
@@ -16,10 +21,15 @@ name order (a ring, so every node is probed by as many as it probes). A probe se
 The server runs each session in a thread of its own, at most MAX_SESSIONS at once (the
 next client is told "busy"), and ends a session at SESSION_SECONDS whatever the peer does:
 a peer that vanishes or an idle client on the port cannot make the node look
-unreachable to everyone. (The side channel is not authenticated yet: see issue 15.)
+unreachable to everyone, and a client without the key gets nothing but an error. Without
+a key file (the operator has not mounted the network's probe Secret) the channel is
+unauthenticated and the agent says so at start.
 
-Latencies and loss go to metrics every round; the NodeState's probe summary is replaced
-only when the verdict (healthy, and each peer's pass/fail) changes. The operator, not
+Latencies and loss go to metrics every round; the verdict stands on samples kept per peer
+across rounds (a p99 over LATENCY_SAMPLES RTTs, loss by a Wilson bound over up to
+LOSS_WINDOW datagrams, with hysteresis), and each peer's message says how many. The
+NodeState's probe summary is replaced only when the verdict (healthy, and each peer's
+pass/fail) changes. The operator, not
 the agent, decides taints from these summaries. Needs pyverbs (guests, agent image).
 """
 
@@ -28,16 +38,21 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
+import os
 import random
 import select
 import socket
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from metaroce_agent.kube import KubeClient, KubeError, cluster_path
+from metaroce_agent.kube import METADATA_LIST, METADATA_WATCH, KubeClient, KubeError, cluster_path
+from metaroce_agent.probe_auth import ProbeKeyError, load_key, new_nonce, sign, verify
 from metaroce_agent.report import now
 from metaroce_api import ProbePeer, ProbeSummary, constants
 from metaroce_api.base import parse_duration
@@ -46,13 +61,20 @@ log = logging.getLogger("metaroce.agent.probe")
 
 QKEY = 0x4D52
 MSG = 64
-RC_PINGS = 20
-UD_BURST = 50
+RC_PINGS = 100
+UD_BURST = 200
+LATENCY_SAMPLES = 1000
+"""RTTs behind a p99 (kept per peer across rounds): fewer, and the p99 is one sample's
+noise; until then latency does not fail a peer."""
+LOSS_WINDOW = 4000
+"""UD datagrams per peer kept across rounds for the loss decision: a 1% limit needs about
+2,000 per decision to keep false failures near 1e-3."""
+MIN_LOSS_DATAGRAMS = 2000
+"""Datagrams behind a published loss fraction."""
+WILSON_Z = 3.09
+"""One-sided z for about 1e-3: a peer fails when the Wilson lower bound of its loss is over
+the limit, and recovers only when the upper bound is under it (hysteresis)."""
 PING_TIMEOUT = 1.0
-SPIN = 0.0002
-"""Busy-poll a CQ this long after the last activity, then poll every NAP: a probe must not
-take a CPU away from the jobs (rxe itself runs on the node's CPUs)."""
-NAP = 0.001
 MAX_SESSIONS = 8
 """Probe sessions served at once (each holds a PD, two CQs and two QPs)."""
 SESSION_SECONDS = 30.0
@@ -74,6 +96,10 @@ class PeerResult:
     rtts_us: tuple[float, ...] = ()
     loss: float | None = None
     message: str = ""
+    ud: tuple[int, int] | None = None
+    """(sent, received) UD datagrams of this session."""
+    device: str = ""
+    """The local RDMA device (rail) this session ran on."""
 
     def percentile(self, q: float) -> float | None:
         if not self.rtts_us:
@@ -88,7 +114,7 @@ class Endpoint:
 
     def __init__(self, local: Local) -> None:
         import pyverbs.enums as e
-        from pyverbs.cq import CQ
+        from pyverbs.cq import CQ, CompChannel
         from pyverbs.device import Context
         from pyverbs.mr import MR
         from pyverbs.pd import PD
@@ -98,8 +124,21 @@ class Endpoint:
         self.local = local
         self.ctx: Any = Context(name=local.device)
         self.pd: Any = PD(self.ctx)
-        self.rc_cq: Any = CQ(self.ctx, 256, None, None, 0)
-        self.ud_cq: Any = CQ(self.ctx, 512, None, None, 0)
+        # Completion channels, so both sides sleep in select() until a completion instead
+        # of busy-polling or napping (which would add up to the nap to every RTT).
+        with _CHANNELS:
+            before = _event_fds()
+            self.rc_ch: Any = CompChannel(self.ctx)
+            mid = _event_fds()
+            self.ud_ch: Any = CompChannel(self.ctx)
+            after = _event_fds()
+        rc_fd, ud_fd = mid - before, after - mid
+        if len(rc_fd) != 1 or len(ud_fd) != 1:
+            raise RuntimeError("cannot find the completion channels' file descriptors")
+        self.rc_fd, self.ud_fd = rc_fd.pop(), ud_fd.pop()
+        self.rc_cq: Any = CQ(self.ctx, 256, None, self.rc_ch, 0)
+        self.ud_cq: Any = CQ(self.ctx, 512, None, self.ud_ch, 0)
+        self._armed = {"rc": False, "ud": False}
         self.mr: Any = MR(self.pd, 64 * 1024, e.IBV_ACCESS_LOCAL_WRITE)
         cap = QPCap(max_send_wr=128, max_recv_wr=256, max_send_sge=1, max_recv_sge=1)
         attr = QPAttr(port_num=local.port)
@@ -195,13 +234,52 @@ class Endpoint:
         npolled, wcs = cq.poll(n)
         return [(int(w.opcode), int(w.status)) for w in (wcs or [])[:npolled]]
 
+    def wait(self, timeout: float, extra: tuple[Any, ...] = ()) -> list[Any]:
+        """Sleep until a completion on either CQ, one of `extra` (sockets) is readable, or
+        `timeout`; returns the readable ones of `extra`. A CQ that was not armed is armed
+        and the call returns at once: the caller polls again, so a completion that came
+        before the arming is not slept through."""
+        newly = False
+        for name, cq in (("rc", self.rc_cq), ("ud", self.ud_cq)):
+            if not self._armed[name]:
+                cq.req_notify()
+                self._armed[name] = newly = True
+        if newly:
+            r, _, _ = select.select(list(extra), [], [], 0)
+            return list(r)
+        r, _, _ = select.select([self.rc_fd, self.ud_fd, *extra], [], [], max(0.0, timeout))
+        for name, fd, ch, cq in (
+            ("rc", self.rc_fd, self.rc_ch, self.rc_cq),
+            ("ud", self.ud_fd, self.ud_ch, self.ud_cq),
+        ):
+            if fd in r:
+                ch.get_cq_event(cq)  # readable: does not block
+                cq.ack_events(1)
+                self._armed[name] = False
+        return [x for x in r if x in extra]
+
     def close(self) -> None:
-        for obj in (self.ah, self.rc, self.ud, self.mr, self.rc_cq, self.ud_cq, self.pd, self.ctx):
+        objs = (self.ah, self.rc, self.ud, self.mr, self.rc_cq, self.ud_cq, self.rc_ch, self.ud_ch)
+        for obj in (*objs, self.pd, self.ctx):
             try:
                 if obj is not None:
                     obj.close()
             except Exception:  # best effort: the process keeps running
                 pass
+
+
+_CHANNELS = threading.Lock()
+"""Held while completion channels are made, so the new descriptors are this session's."""
+
+
+def _event_fds() -> set[int]:
+    """This process's open completion-channel descriptors (pyverbs does not expose them)."""
+    out = set()
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            if "infinibandevent" in os.readlink(f"/proc/self/fd/{name}"):
+                out.add(int(name))
+    return out
 
 
 def _send(sock: socket.socket, msg: dict[str, Any]) -> None:
@@ -229,17 +307,20 @@ class ProbeServer:
         self,
         address: str,
         port: int,
-        local: Callable[[], Local | None],
+        local: Callable[[int], Local | None],
         *,
         endpoint: Callable[[Local], Any] | None = None,
+        key: Callable[[], bytes | None] = lambda: None,
         max_sessions: int = MAX_SESSIONS,
         session_seconds: float = SESSION_SECONDS,
     ) -> None:
         self.local = local
         self.endpoint = endpoint or Endpoint
+        self.key = key
         self.max_sessions = max_sessions
         self.session_seconds = session_seconds
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((address, port))
         self.sock.listen(16)
@@ -248,6 +329,7 @@ class ProbeServer:
         self._slots = threading.BoundedSemaphore(max_sessions)
         self.sessions = 0
         self.refused = 0
+        self.auth_failures = 0
 
     def serve(self) -> None:
         while not self._stop.is_set():
@@ -280,21 +362,40 @@ class ProbeServer:
     def _session(self, conn: socket.socket, deadline: float) -> bool:
         """One session; True when the peer said bye, False at the deadline."""
         f = conn.makefile("r")
+        server_nonce = new_nonce()
+        _send(conn, {"v": 2, "nonce": server_nonce})
         hello = _recv(f)
-        local = self.local()
-        if local is None:
-            _send(conn, {"error": "no RDMA device ready on this node"})
+        key = self.key()
+        client_nonce = str(hello.get("nonce") or "")
+        if key is not None and not (
+            len(client_nonce) >= 32
+            and verify(key, hello.get("mac"), "client", server_nonce, client_nonce, hello)
+        ):
+            self.auth_failures += 1
+            log.warning("probe session: a client failed authentication")
+            _send(conn, {"error": "authentication failed: the client's probe key differs "
+                                  "from this node's (the network's probe Secret)"})  # fmt: skip
             return True
+        rail = hello.get("rail", 0)
+        local = self.local(rail) if isinstance(rail, int) and rail >= 0 else None
+        if local is None:
+            _send(conn, {"error": f"no RDMA device ready on this node for rail {rail}"})
+            return True
+
+        def signed(role: str, fields: dict[str, Any]) -> dict[str, Any]:
+            if key is None:
+                return fields
+            return {**fields, "mac": sign(key, role, server_nonce, client_nonce, fields)}
+
         ep = self.endpoint(local)
         try:
             ep.post_rc_recv(128)
             ep.post_ud_recv(min(UD_BURST * 2, 250))
             ep.connect(hello)
-            _send(conn, {**ep.hello(), "node": socket.gethostname()})
+            _send(conn, signed("server", {**ep.hello(), "node": socket.gethostname()}))
             received = 0
             conn.setblocking(False)
             buf = b""
-            last = time.perf_counter()
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0 or self._stop.is_set():
@@ -310,11 +411,11 @@ class ProbeServer:
                     busy = True
                     if opcode == ep.e.IBV_WC_RECV and status == ep.e.IBV_WC_SUCCESS:
                         received += 1
-                now_ = time.perf_counter()
+                        ep.post_ud_recv(1)
                 if busy:
-                    last = now_
-                wait = min(0.0 if now_ - last < SPIN else NAP, left)
-                r, _, _ = select.select([conn], [], [], wait)
+                    r, _, _ = select.select([conn], [], [], 0)
+                else:  # asleep until a completion or a message (at most 1 s: the deadline)
+                    r = ep.wait(min(left, 1.0), (conn,))
                 if not r:
                     continue
                 chunk = conn.recv(4096)
@@ -329,7 +430,7 @@ class ProbeServer:
                             if opcode == ep.e.IBV_WC_RECV and status == ep.e.IBV_WC_SUCCESS:
                                 received += 1
                         conn.settimeout(max(0.1, min(5.0, deadline - time.monotonic())))
-                        _send(conn, {"ud_received": received})
+                        _send(conn, signed("count", {"ud_received": received}))
                         conn.setblocking(False)
                     elif msg.get("op") == "bye":
                         return True
@@ -347,44 +448,90 @@ class ProbeServer:
 
 
 def probe_peer(
-    node: str, address: str, port: int, local: Local, timeout: float = 20.0
+    node: str,
+    address: str,
+    port: int,
+    local: Local,
+    timeout: float = 20.0,
+    *,
+    key: bytes | None = None,
+    endpoint: Callable[[Local], Any] | None = None,
+    rail: int = 0,
 ) -> PeerResult:
-    """One probe session against a peer."""
+    """One probe session against a peer; with a key, both sides authenticate."""
+
+    def failed(message: str) -> PeerResult:
+        return PeerResult(node, False, message=message, device=local.device)
+
     try:
         conn = socket.create_connection((address, port), timeout=5)
     except OSError as e:
-        return PeerResult(node, False, message=f"side channel {address}:{port} unreachable: {e}")
-    ep: Endpoint | None = None
+        return PeerResult(
+            node,
+            False,
+            device=local.device,
+            message=f"side channel {address}:{port} unreachable: {e}",
+        )
+    ep: Any = None
     with conn:
         conn.settimeout(timeout)
         f = conn.makefile("r")
         try:
-            ep = Endpoint(local)
+            challenge = _recv(f)
+            if "error" in challenge:
+                return failed(str(challenge["error"]))
+            server_nonce = str(challenge.get("nonce") or "")
+            client_nonce = new_nonce()
+
+            def authentic(role: str, msg: dict[str, Any]) -> bool:
+                return key is None or verify(
+                    key, msg.get("mac"), role, server_nonce, client_nonce, msg
+                )
+
+            ep = (endpoint or Endpoint)(local)
             ep.post_rc_recv(RC_PINGS + 8)
-            _send(conn, {**ep.hello(), "node": node})
+            hello = {**ep.hello(), "node": node, "nonce": client_nonce, "rail": rail}
+            if key is not None:
+                hello["mac"] = sign(key, "client", server_nonce, client_nonce, hello)
+            _send(conn, hello)
             remote = _recv(f)
             if "error" in remote:
-                return PeerResult(node, False, message=str(remote["error"]))
+                return failed(str(remote["error"]))
+            if not authentic("server", remote):
+                return failed(
+                    "the peer failed authentication: its probe key differs from this "
+                    "node's, or it has none (the network's probe Secret)"
+                )
             ep.connect(remote)
             rtts = _rc_pings(ep)
             if not rtts:
                 _send(conn, {"op": "bye"})
-                return PeerResult(node, False, message="no RC echo within 1 s")
+                return failed("no RC echo within 1 s")
             sent = _ud_burst(ep)
             time.sleep(0.2)
             _send(conn, {"op": "count"})
-            got = int(_recv(f).get("ud_received", 0))
+            counted = _recv(f)
+            if not authentic("count", counted):
+                return PeerResult(
+                    node,
+                    False,
+                    device=local.device,
+                    message="the peer's count failed authentication",
+                )
+            got = int(counted.get("ud_received", 0))
             _send(conn, {"op": "bye"})
             loss = max(0.0, 1.0 - got / sent) if sent else None
-            return PeerResult(node, True, tuple(rtts), loss)
+            return PeerResult(
+                node, True, tuple(rtts), loss, ud=(sent, min(got, sent)), device=local.device
+            )
         except Exception as e:
-            return PeerResult(node, False, message=f"probe failed: {e}")
+            return failed(f"probe failed: {e}")
         finally:
             if ep is not None:
                 ep.close()
 
 
-def _rc_pings(ep: Endpoint) -> list[float]:
+def _rc_pings(ep: Any) -> list[float]:
     e = ep.e
     rtts: list[float] = []
     for _ in range(RC_PINGS):
@@ -398,15 +545,15 @@ def _rc_pings(ep: Endpoint) -> list[float]:
             if any(op == e.IBV_WC_RECV for op, _ in done):
                 got = True
                 break
-            if time.perf_counter() - t0 > SPIN:
-                time.sleep(NAP)
+            if not done:
+                ep.wait(PING_TIMEOUT - (time.perf_counter() - t0))
         if not got:
             break
         rtts.append((time.perf_counter() - t0) * 1e6)
     return rtts
 
 
-def _ud_burst(ep: Endpoint) -> int:
+def _ud_burst(ep: Any) -> int:
     e = ep.e
     sent = outstanding = 0
     deadline = time.monotonic() + 5
@@ -421,19 +568,56 @@ def _ud_burst(ep: Endpoint) -> int:
             if status != e.IBV_WC_SUCCESS:
                 return sent
         if not done and outstanding >= 32:
-            time.sleep(NAP)
+            ep.wait(0.1)
     return sent
 
 
 # --- the agent's prober ----------------------------------------------------------------------
 
 
-def _probeable(endpoint: str) -> bool:
-    """A peer's published `<ip>:<port>` names a real remote address: not unspecified
-    (0.0.0.0 would reach the prober's own host) and not loopback."""
+def probe_address(ipv4: Sequence[str], ipv6: Sequence[str]) -> str | None:
+    """The address to serve probes on: the netdev's first IPv4 address, else its first
+    IPv6 address that peers can reach without a scope (not link-local); None while it has
+    neither (never 0.0.0.0 or ::, which peers would take for their own host)."""
     import ipaddress
 
-    host, _, port = endpoint.rpartition(":")
+    for a in ipv4:
+        return a.split("/")[0]
+    for a in ipv6:
+        try:
+            ip = ipaddress.ip_address(a.split("/")[0])
+        except ValueError:
+            continue
+        if not (ip.is_link_local or ip.is_unspecified or ip.is_loopback):
+            return str(ip)
+    return None
+
+
+PROTOCOL = "probe2"
+"""The side channel's protocol, named in the published endpoint: agents from before it
+(bare `<ip>:<port>`, no nonces) and after it skip each other's endpoints during a rollout
+instead of failing each other's probes."""
+
+
+def endpoint_text(address: str, port: int) -> str:
+    """`probe2://<ipv4>:<port>` or `probe2://[<ipv6>]:<port>`."""
+    hostport = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+    return f"{PROTOCOL}://{hostport}"
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    host, _, port = endpoint.removeprefix(f"{PROTOCOL}://").rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def _probeable(endpoint: str) -> bool:
+    """A peer's published endpoint speaks this protocol and names a real remote address:
+    not unspecified (0.0.0.0 would reach the prober's own host) and not loopback."""
+    import ipaddress
+
+    if not endpoint.startswith(f"{PROTOCOL}://"):
+        return False
+    host, _, port = endpoint.removeprefix(f"{PROTOCOL}://").rpartition(":")
     try:
         ip = ipaddress.ip_address(host.strip("[]"))
     except ValueError:
@@ -449,40 +633,224 @@ def choose_peers(me: str, endpoints: dict[str, str], k: int) -> list[str]:
     return [n for n in others if n in endpoints][:k]
 
 
+def wilson_bounds(lost: int, sent: int, z: float = WILSON_Z) -> tuple[float, float]:
+    """The Wilson score interval of a loss fraction (lost of sent)."""
+    if sent <= 0:
+        return 0.0, 1.0
+    p = lost / sent
+    z2 = z * z
+    denom = 1 + z2 / sent
+    center = (p + z2 / (2 * sent)) / denom
+    half = z * math.sqrt(p * (1 - p) / sent + z2 / (4 * sent * sent)) / denom
+    return max(0.0, center - half), min(1.0, center + half)
+
+
+def _percentile(data: list[float], q: float) -> float | None:
+    if not data:
+        return None
+    data = sorted(data)
+    return data[min(len(data) - 1, max(0, round(q * (len(data) - 1))))]
+
+
+@dataclass
+class PeerHistory:
+    """One peer's samples across rounds and its loss state (for the hysteresis)."""
+
+    rtts: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_SAMPLES))
+    ud: deque[tuple[int, int]] = field(default_factory=deque)
+    loss_failing: bool = False
+
+    def add(self, r: PeerResult) -> None:
+        self.rtts.extend(r.rtts_us)
+        if r.ud is not None and r.ud[0] > 0:
+            self.ud.append(r.ud)
+            while sum(s for s, _ in self.ud) - self.ud[0][0] >= LOSS_WINDOW:
+                self.ud.popleft()
+
+    def counts(self) -> tuple[int, int]:
+        """(lost, sent) over the window."""
+        sent = sum(s for s, _ in self.ud)
+        return sent - sum(g for _, g in self.ud), sent
+
+    def judge_loss(self, max_loss: float) -> tuple[bool, float, float]:
+        lost, sent = self.counts()
+        lo, hi = wilson_bounds(lost, sent)
+        if self.loss_failing and hi <= max_loss:
+            self.loss_failing = False
+        elif not self.loss_failing and lo > max_loss:
+            self.loss_failing = True
+        return self.loss_failing, lo, hi
+
+
+def _judge(
+    r: PeerResult, h: PeerHistory, max_latency_us: float, max_loss: float
+) -> tuple[bool, str, float | None, float | None, float | None]:
+    """One rail's (ok, message, p50, p99, loss) after adding its samples to `h`; p99 and
+    loss are None until enough samples stand behind them (the operator judges them)."""
+    h.add(r)
+    rtts = list(h.rtts)
+    p99 = _percentile(rtts, 0.99)
+    slow = p99 is not None and len(rtts) >= LATENCY_SAMPLES and p99 > max_latency_us
+    loss_failing, lo, hi = h.judge_loss(max_loss)
+    lost, sent = h.counts()
+    ok = r.reachable and not slow and not loss_failing
+    msg = r.message
+    if r.reachable:
+        shown = "?" if p99 is None else f"{p99:.0f}"
+        pending = "" if len(rtts) >= LATENCY_SAMPLES else ", too few to judge"
+        msg = (
+            f"p99 {shown} us (max {max_latency_us:.0f}) over {len(rtts)} RTTs{pending}; "
+            f"loss {lost} of {sent} datagrams, bound [{lo:.4f}, {hi:.4f}] (max {max_loss})"
+        )
+        if not ok:
+            msg = "failing: " + msg
+    stated_p99 = p99 if len(rtts) >= LATENCY_SAMPLES else None
+    loss = (lost / sent) if sent >= MIN_LOSS_DATAGRAMS else None
+    return ok, msg, _percentile(rtts, 0.5), stated_p99, loss
+
+
+def _worst(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return max(known) if known else None
+
+
 def summarize(
-    results: list[PeerResult], max_latency_us: float, max_loss: float
+    results: list[PeerResult],
+    max_latency_us: float,
+    max_loss: float,
+    history: dict[str, PeerHistory] | None = None,
 ) -> tuple[ProbeSummary, tuple[Any, ...]]:
-    """The summary and its verdict key (what must change for the NodeState to change)."""
+    """The summary and its verdict key (what must change for the NodeState to change).
+    `history` (per peer and rail, kept by the caller across rounds) gets this round's
+    samples; a verdict stands on all of them, and its message says how many. Several
+    results for one node are its rails: one entry, failing when any rail fails, with the
+    worst rail's numbers and every rail's message."""
+    history = {} if history is None else history
+    by_node: dict[str, list[PeerResult]] = {}
+    for r in results:
+        by_node.setdefault(r.node, []).append(r)
     peers = []
     verdicts = []
-    for r in results:
-        p99 = r.percentile(0.99)
-        ok = (
-            r.reachable
-            and (p99 is None or p99 <= max_latency_us)
-            and (r.loss is None or r.loss <= max_loss)
-        )
-        msg = r.message
-        if r.reachable and not ok:
-            shown = "?" if p99 is None else f"{p99:.0f}"
-            msg = (
-                f"p99 {shown} us (max {max_latency_us:.0f}), loss {r.loss or 0:.3f} "
-                f"(max {max_loss})"
-            )
+    for node, rails in by_node.items():
+        judged = []
+        for r in rails:
+            key = f"{node}/{r.device}" if r.device else node
+            judged.append((r, _judge(r, history.setdefault(key, PeerHistory()), max_latency_us,
+                                     max_loss)))  # fmt: skip
+        ok = all(j[0] for _, j in judged)
+        if len(judged) == 1:
+            message = judged[0][1][1]
+        else:
+            message = "; ".join(f"{r.device}: {j[1]}" for r, j in judged)
         peers.append(
             ProbePeer(
-                node=r.node,
-                reachable=r.reachable,
-                latency_p50_microseconds=r.percentile(0.5),
-                latency_p99_microseconds=p99,
-                loss_fraction=r.loss,
-                message=msg[:1024],
+                node=node,
+                reachable=all(r.reachable for r in rails),
+                latency_p50_microseconds=_worst([j[2] for _, j in judged]),
+                latency_p99_microseconds=_worst([j[3] for _, j in judged]),
+                loss_fraction=_worst([j[4] for _, j in judged]),
+                message=message[:1024],
             )
         )
-        verdicts.append((r.node, ok))
+        verdicts.append((node, ok))
     healthy = all(ok for _, ok in verdicts) if verdicts else None
     summary = ProbeSummary(healthy=healthy, last_run_time=now(), peers=peers or None)
     return summary, (healthy, tuple(sorted(verdicts)))
+
+
+class PeerIndex:
+    """The probe endpoints of a network's NodeStates, from their metadata only (the node
+    label and the endpoint annotation): listed once, then kept by a watch, so a probe
+    round sends no request and no agent reads the others' status (finding 10)."""
+
+    def __init__(self, kube: Any, network: str, me: str) -> None:
+        self.kube = kube
+        self.network = network
+        self.me = me
+        self.path = cluster_path(constants.GROUP, constants.VERSION, constants.NODESTATE_PLURAL)
+        self.selector = f"{constants.NETWORK_LABEL}={network}"
+        self._items: dict[str, tuple[str, str]] = {}  # object name -> (node, endpoint)
+        self._lock = threading.Lock()
+        self.resource_version: str | None = None
+        self.old_protocol: set[str] = set()
+        """Peers whose endpoint is of the protocol before PROTOCOL (a rollout)."""
+
+    def _entry(self, obj: dict[str, Any]) -> tuple[str, tuple[str, str] | None]:
+        md = obj.get("metadata") or {}
+        node = str((md.get("labels") or {}).get(constants.NODE_LABEL) or "")
+        if len(node) >= 63:  # the label may be a shortened name: the object has the real one
+            full = self.kube.get(f"{self.path}/{md.get('name')}") or {}
+            node = str((full.get("spec") or {}).get("node") or "")
+        ep = str((md.get("annotations") or {}).get(constants.PROBE_ENDPOINT_ANNOTATION) or "")
+        ok = node and node != self.me and _probeable(ep)
+        old = bool(node) and node != self.me and bool(ep) and "://" not in ep
+        with self._lock:
+            if old and node not in self.old_protocol:
+                log.info("probe: %s runs an older probe protocol: skipped until upgraded", node)
+            (self.old_protocol.add if old else self.old_protocol.discard)(node)
+        return str(md.get("name") or ""), ((node, ep) if ok else None)
+
+    def relist(self) -> None:
+        data = self.kube.request(
+            "GET", self.path, params={"labelSelector": self.selector}, accept=METADATA_LIST
+        )
+        items: dict[str, tuple[str, str]] = {}
+        for obj in data.get("items") or []:
+            name, entry = self._entry(obj)
+            if entry is not None:
+                items[name] = entry
+        with self._lock:
+            self._items = items
+            self.resource_version = str((data.get("metadata") or {}).get("resourceVersion"))
+
+    def apply(self, event: dict[str, Any]) -> None:
+        """One watch event."""
+        obj = event.get("object") or {}
+        name, entry = self._entry(obj)
+        with self._lock:
+            if event.get("type") == "DELETED" or entry is None:
+                self._items.pop(name, None)
+            else:
+                self._items[name] = entry
+            rv = (obj.get("metadata") or {}).get("resourceVersion")
+            if rv:
+                self.resource_version = str(rv)
+
+    def endpoints(self) -> dict[str, str]:
+        if self.resource_version is None:
+            self.relist()
+        with self._lock:
+            return {node: ep for node, ep in self._items.values()}
+
+    def run(self, stop: threading.Event) -> None:
+        """Keep the index by a watch; relist when the watch ends badly or expires (410)."""
+        while not stop.is_set():
+            try:
+                if self.resource_version is None:
+                    self.relist()
+                params = {
+                    "labelSelector": self.selector,
+                    "resourceVersion": str(self.resource_version),
+                    "allowWatchBookmarks": "true",
+                }
+                for event in self.kube.watch(self.path, params, accept=METADATA_WATCH):
+                    if stop.is_set():
+                        return
+                    kind = event.get("type")
+                    if kind == "ERROR":
+                        self.resource_version = None  # expired: list again
+                        break
+                    if kind == "BOOKMARK":
+                        rv = ((event.get("object") or {}).get("metadata") or {}).get(
+                            "resourceVersion"
+                        )
+                        self.resource_version = str(rv) if rv else self.resource_version
+                        continue
+                    self.apply(event)
+            except Exception as e:  # never let the index thread die: list again
+                log.warning("probe: peer watch: %s; listing again", e)
+                self.resource_version = None
+                stop.wait(5)
 
 
 class Prober:
@@ -495,7 +863,7 @@ class Prober:
         node: str,
         address: Callable[[], str | None],
         port: int,
-        local: Callable[[], Local | None],
+        local: Callable[[], list[Local]],
         publish: Callable[[str], None],
         report: Callable[[ProbeSummary], None],
         metrics: Any,
@@ -503,8 +871,10 @@ class Prober:
         peers: int,
         max_latency_us: float,
         max_loss: float,
+        key_file: Path | None = None,
     ) -> None:
         self.kube = kube
+        self.key_file = key_file
         self.network = network
         self.node = node
         self.address = address
@@ -521,6 +891,8 @@ class Prober:
         self.served_address: str | None = None
         self._stop = threading.Event()
         self._verdict: tuple[Any, ...] | None = None
+        self.history: dict[str, PeerHistory] = {}
+        self.index = PeerIndex(kube, network, node)
         self.rounds = 0
         self._serving = threading.Lock()
 
@@ -529,28 +901,29 @@ class Prober:
         cfg = agent.config
         opts = agent.options
 
-        def local() -> Local | None:
+        def local() -> list[Local]:
+            """Every served device with a usable GID, in plan order: rail k of this node
+            is probed against rail k of each peer."""
             from metaroce_agent.transport.base import select_gid
 
             plan = agent.state.plan
-            if plan is None or not plan.devices:
-                return None
-            td = plan.devices[0]
-            dev = agent.state.inventory.rdma_device(td.rdma_device)
-            port = dev.port(td.port) if dev else None
-            gid = select_gid(agent.config, port) if port else None
-            if gid is None:
-                return None
-            return Local(td.rdma_device, td.port, gid.index, agent.config.qos.data.dscp << 2)
+            out = []
+            for td in plan.devices if plan is not None else ():
+                dev = agent.state.inventory.rdma_device(td.rdma_device)
+                port = dev.port(td.port) if dev else None
+                gid = select_gid(agent.config, port) if port else None
+                if gid is not None:
+                    tos = agent.config.qos.data.dscp << 2
+                    out.append(Local(td.rdma_device, td.port, gid.index, tos))
+            return out
 
         def address() -> str | None:
-            """The RDMA netdev's IPv4 address; None while it has none (never 0.0.0.0:
-            peers would probe their own host). IPv6-only networks are not served yet."""
+            """The RDMA netdev's address (`probe_address`); None while it has none."""
             plan = agent.state.plan
             if plan and plan.netdevs:
                 nd = agent.state.inventory.netdev(plan.netdevs[0])
-                if nd and nd.ipv4:
-                    return str(nd.ipv4[0].split("/")[0])
+                if nd:
+                    return probe_address(nd.ipv4, nd.ipv6)
             return None
 
         def publish(endpoint: str) -> None:
@@ -572,12 +945,28 @@ class Prober:
             peers=cfg.probe.peers_per_node,
             max_latency_us=float(cfg.probe.max_latency_microseconds),
             max_loss=cfg.probe.max_loss_fraction,
+            key_file=opts.probe_key_file,
         )
+
+    def key(self) -> bytes | None:
+        """The network's probe key, read per use (a rotated Secret applies at once)."""
+        return load_key(self.key_file) if self.key_file is not None else None
 
     def start(self) -> None:
         """Serve on the RDMA netdev's address (once it has one) and run the rounds."""
+        try:
+            if self.key() is None:
+                log.warning(
+                    "probe: no key at %s: the side channel is NOT authenticated; mount the "
+                    "network's probe Secret there", self.key_file,
+                )  # fmt: skip
+        except ProbeKeyError as e:
+            log.error("%s; probe sessions will fail until it is fixed", e)
         self.refresh()
         threading.Thread(target=self._loop, name="probe-rounds", daemon=True).start()
+        threading.Thread(
+            target=self.index.run, args=(self._stop,), name="probe-peers", daemon=True
+        ).start()
         log.info("probe: %d peer(s) every %.0f s", self.peers, self.interval)
 
     def refresh(self) -> None:
@@ -592,11 +981,11 @@ class Prober:
                 self.server = None
             self.served_address = address
             if address is None:
-                log.warning("probe: the RDMA netdev has no IPv4 address yet: not serving")
+                log.warning("probe: the RDMA netdev has no usable address yet: not serving")
                 self.publish("")
                 return
             try:
-                self.server = ProbeServer(address, self.port, self.local)
+                self.server = ProbeServer(address, self.port, self._rail, key=self.key)
             except OSError as e:
                 log.error(
                     "probe server cannot listen on %s:%d: %s; no probes from this node. If "
@@ -607,7 +996,7 @@ class Prober:
                 self.served_address = None
                 return
             threading.Thread(target=self.server.serve, name="probe-server", daemon=True).start()
-            self.publish(f"{address}:{self.server.port}")
+            self.publish(endpoint_text(address, self.server.port))
             log.info("probe: serving on %s:%d", address, self.server.port)
 
     def stop(self) -> None:
@@ -616,24 +1005,21 @@ class Prober:
             self.server.stop()
 
     def endpoints(self) -> dict[str, str]:
-        path = cluster_path(constants.GROUP, constants.VERSION, constants.NODESTATE_PLURAL)
-        data = self.kube.request(
-            "GET", path, params={"labelSelector": f"{constants.NETWORK_LABEL}={self.network}"}
-        )
-        out = {}
-        for item in data.get("items") or []:
-            node = (item.get("spec") or {}).get("node")
-            ep = ((item.get("metadata") or {}).get("annotations") or {}).get(
-                constants.PROBE_ENDPOINT_ANNOTATION
-            )
-            if node and ep and node != self.node and _probeable(str(ep)):
-                out[str(node)] = str(ep)
-        return out
+        return self.index.endpoints()
+
+    def _rail(self, rail: int) -> Local | None:
+        rails = self.local()
+        return rails[rail] if rail < len(rails) else None
 
     def round(self) -> ProbeSummary | None:
         self.refresh()
-        local = self.local()
-        if local is None:
+        rails = self.local()
+        if not rails:
+            return None
+        try:
+            key = self.key()
+        except ProbeKeyError as e:
+            log.error("probe: %s", e)
             return None
         try:
             endpoints = self.endpoints()
@@ -642,30 +1028,41 @@ class Prober:
             return None
         results = []
         for node in choose_peers(self.node, endpoints, self.peers):
-            host, _, port = endpoints[node].rpartition(":")
+            host, port = split_endpoint(endpoints[node])
             t0 = time.monotonic()
-            r = probe_peer(node, host, int(port), local)
-            results.append(r)
-            m = self.metrics
-            m.probe_rounds.labels(peer=node, result="ok" if r.reachable else "unreachable").inc()
-            for q in (0.5, 0.9, 0.99):
-                v = r.percentile(q)
-                if v is not None:
-                    m.probe_latency.labels(peer=node, quantile=str(q)).set(v)
-            for rtt in r.rtts_us:
-                m.probe_rtt.observe(rtt)
-            if r.loss is not None:
-                m.probe_loss.labels(peer=node).set(r.loss)
-            log.debug("probe %s: %s in %.2f s", node, r, time.monotonic() - t0)
+            mine = [probe_peer(node, host, port, loc, key=key, rail=k)
+                    for k, loc in enumerate(rails)]  # fmt: skip
+            results.extend(mine)
+            self._record(node, mine)
+            log.debug("probe %s: %s in %.2f s", node, mine, time.monotonic() - t0)
         self.rounds += 1
         if not results:
             return None
-        summary, verdict = summarize(results, self.max_latency_us, self.max_loss)
+        summary, verdict = summarize(results, self.max_latency_us, self.max_loss, self.history)
         if verdict != self._verdict:
             self._verdict = verdict
             log.info("probe verdict: %s", verdict)
             self.report(summary)
         return summary
+
+    def _record(self, node: str, rails: list[PeerResult]) -> None:
+        """Metrics of one peer's sessions: every RTT observed; the gauges show the worst
+        rail (a peer's label set stays {peer}, whatever its rails)."""
+        m = self.metrics
+        if m is None:
+            return
+        ok = all(r.reachable for r in rails)
+        m.probe_rounds.labels(peer=node, result="ok" if ok else "unreachable").inc()
+        for q in (0.5, 0.9, 0.99):
+            v = _worst([r.percentile(q) for r in rails])
+            if v is not None:
+                m.probe_latency.labels(peer=node, quantile=str(q)).set(v)
+        for r in rails:
+            for rtt in r.rtts_us:
+                m.probe_rtt.observe(rtt)
+        loss = _worst([r.loss for r in rails])
+        if loss is not None:
+            m.probe_loss.labels(peer=node).set(loss)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):

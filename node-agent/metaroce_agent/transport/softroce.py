@@ -9,6 +9,7 @@ deletes only links the agent created, and only when no process holds them open; 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 
 from metaroce_agent.capabilities import Capabilities
@@ -36,13 +37,39 @@ def rdma_links(host: Host) -> list[dict[str, object]]:
     return [d for d in data if isinstance(d, dict)] if isinstance(data, list) else []
 
 
-def holders(host: Host, device: str) -> dict[int, str]:
-    """Processes holding the verbs char device of `device` open."""
+def _uverbs_paths(host: Host, device: str) -> list[str]:
     paths = []
     for uv in host.listdir("/sys/class/infiniband_verbs"):
         if host.read_opt(f"/sys/class/infiniband_verbs/{uv}/ibdev") == device:
             paths.append(f"/dev/infiniband/{uv}")
-    return host.pids_holding(paths)
+    return paths
+
+
+def holders(host: Host, device: str) -> dict[int, str]:
+    """Processes in the agent's view (/proc) holding the verbs char device of `device`
+    open, the agent itself left out: names for the message, when it can see them."""
+    own = os.getpid()
+    return {p: c for p, c in host.pids_holding(_uverbs_paths(host, device)).items() if p != own}
+
+
+def other_contexts(host: Host, device: str) -> int | None:
+    """Verbs contexts open on `device` by processes other than the agent: the kernel's
+    count (`rdma res show` counts every context whatever the caller's PID namespace, as
+    seen on the guests' 6.1 kernel), less the agent's own open uverbs descriptors. None
+    when iproute2 cannot say (an old `rdma` without `res`)."""
+    res = host.run(["rdma", "-j", "res", "show"], check=False)
+    if not res.ok:
+        return None
+    try:
+        data = json.loads(res.stdout or "[]")
+    except ValueError:
+        return None
+    ctx = next(
+        (int(d.get("ctx", 0)) for d in data if isinstance(d, dict) and d.get("ifname") == device),
+        0,
+    )
+    mine = host.own_fds_holding(_uverbs_paths(host, device))
+    return max(0, ctx - mine)
 
 
 @dataclass(frozen=True)
@@ -82,12 +109,18 @@ class RxeLinkStep(Step):
             return  # adopted: it was there before the agent
         if not self._exists(host):
             return
+        # Who holds it: the kernel's context count sees through PID namespaces (so the
+        # agent needs no hostPID); /proc adds names where the agent can see them.
+        contexts = other_contexts(host, self.device)
         busy = holders(host, self.device)
-        if busy:
+        if busy or contexts:
             users = ", ".join(f"{pid} ({comm})" for pid, comm in sorted(busy.items()))
+            count = f"{contexts} verbs context(s) of other processes" if contexts else ""
+            held = "; ".join(x for x in (count, f"held open by {users}" if users else "") if x)
             raise StepError(
-                f"rxe link {self.device} left in place: held open by {users}; stop those "
-                f"processes, then run `rdma link delete {self.device}`"
+                f"rxe link {self.device} left in place: {held}; stop those processes "
+                f"(`rdma res show pd` on the node names them), then run `rdma link delete "
+                f"{self.device}`"
             )
         host.run(["rdma", "link", "delete", self.device])
 

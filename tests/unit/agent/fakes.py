@@ -356,6 +356,10 @@ class FixtureNetlink:
         text = self.host.read_opt(f"/sys/class/net/{ifname}/fixture_ipv4") or ""
         return [line.strip() for line in text.splitlines() if line.strip()]
 
+    def ipv6_addresses(self, ifname: str) -> list[str]:
+        text = self.host.read_opt(f"/sys/class/net/{ifname}/fixture_ipv6") or ""
+        return [line.strip() for line in text.splitlines() if line.strip()]
+
 
 class FixtureHost(Host):
     """A Host over a fixture tree whose configfs behaves like rdma_cm's.
@@ -481,6 +485,15 @@ class FakeKernel:
                     }
                 )
             return json.dumps(links)
+        if args[:3] == ["-j", "res", "show"]:
+            names = sorted(os.listdir(self.tree.p("/sys/class/infiniband")))
+            return json.dumps(
+                [
+                    {"ifindex": i, "ifname": name, "pd": 1, "cq": 1, "qp": 1,
+                     "ctx": self._contexts(name)}
+                    for i, name in enumerate(names)
+                ]
+            )  # fmt: skip
         if args[:2] == ["link", "add"]:
             name, netdev = args[2], args[args.index("netdev") + 1]
             if not self.tree.p(f"/sys/class/net/{netdev}").exists():
@@ -500,6 +513,26 @@ class FakeKernel:
             self.tree.remove_rdma(name)
             return ""
         raise _Fail(1, f"fake rdma: unsupported {args}")
+
+    def _contexts(self, device: str) -> int:
+        """Verbs contexts open on `device`, as the kernel counts them whatever the caller's
+        PID namespace: the fixture processes holding its uverbs node, plus
+        `fixture_hidden_contexts` (processes a PID namespace hides from /proc)."""
+        paths = set()
+        verbs = self.tree.p("/sys/class/infiniband_verbs")
+        for uv in os.listdir(verbs) if verbs.exists() else []:
+            ibdev = verbs / uv / "ibdev"
+            if ibdev.exists() and ibdev.read_text().strip() == device:
+                paths.add(f"/dev/infiniband/{uv}")
+        count = 0
+        proc = self.tree.p("/proc")
+        for pid in os.listdir(proc) if proc.exists() else []:
+            fd_dir = proc / pid / "fd"
+            for fd in os.listdir(fd_dir) if fd_dir.is_dir() else []:
+                if os.readlink(fd_dir / fd) in paths:
+                    count += 1
+        hidden = self.tree.p(f"/sys/class/infiniband/{device}/fixture_hidden_contexts")
+        return count + (int(hidden.read_text()) if hidden.exists() else 0)
 
     # --- dcb ---------------------------------------------------------------------------
     def _dcb(self, args: list[str]) -> str:

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 from fakes import mellanox_node, softroce_node
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from metaroce_agent.exporter import AgentMetrics, RdmaCounterCollector
 
 
 def scrape(collector: RdmaCounterCollector) -> dict[str, list[tuple[dict[str, str], float]]]:
-    reg = CollectorRegistry()
-    reg.register(collector)
+    """What /metrics serves (the agent's registry, then the collector's own rendering)."""
+    metrics = AgentMetrics("rdma-a", "node-1")
+    metrics.add_rdma_collector(collector)
     out: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for fam in text_string_to_metric_families(generate_latest(reg).decode()):
+    for fam in text_string_to_metric_families(metrics.render().decode()):
         for s in fam.samples:
             out.setdefault(s.name, []).append((s.labels, s.value))
     return out

@@ -18,8 +18,8 @@ def test_peers_form_a_ring_so_everyone_is_probed() -> None:
 def test_summary_verdict_ignores_latency_jitter_but_not_failures() -> None:
     ok = PeerResult("node-2", True, rtts_us=(100.0, 120.0, 130.0), loss=0.0)
     jitter = PeerResult("node-2", True, rtts_us=(140.0, 150.0, 160.0), loss=0.0)
-    slow = PeerResult("node-2", True, rtts_us=(100.0, 5000.0), loss=0.0)
-    lossy = PeerResult("node-2", True, rtts_us=(100.0,), loss=0.2)
+    slow = PeerResult("node-2", True, rtts_us=(100.0,) * 980 + (5000.0,) * 20, loss=0.0)
+    lossy = PeerResult("node-2", True, rtts_us=(100.0,), loss=0.2, ud=(50, 40))
     gone = PeerResult("node-2", False, message="side channel unreachable")
     s1, v1 = summarize([ok], 1000, 0.01)
     _, v2 = summarize([jitter], 1000, 0.01)
@@ -29,5 +29,5 @@ def test_summary_verdict_ignores_latency_jitter_but_not_failures() -> None:
         s, v = summarize([bad], 1000, 0.01)
         assert s.healthy is False and v != v1
     s, _ = summarize([slow], 1000, 0.01)
-    assert s.peers is not None and "p99 5000 us (max 1000)" in s.peers[0].message
+    assert s.peers is not None and "p99 5000 us (max 1000) over 1000 RTTs" in s.peers[0].message
     assert summarize([], 1000, 0.01)[0].healthy is None

@@ -8,6 +8,7 @@ unauthenticated port blocks every other peer, and the node looks unreachable to 
 from __future__ import annotations
 
 import json
+import select
 import socket
 import threading
 import time
@@ -38,6 +39,10 @@ class FakeEndpoint:
     def poll(self, cq: Any, n: int = 16) -> list[tuple[int, int]]:
         return []
 
+    def wait(self, timeout: float, extra: tuple[Any, ...] = ()) -> list[Any]:
+        r, _, _ = select.select(list(extra), [], [], min(timeout, 0.05))
+        return list(r)
+
     def close(self) -> None: ...
 
 
@@ -47,7 +52,7 @@ LOCAL = Local("rxe_eth0", 1, 1, 104)
 @pytest.fixture
 def server(request: pytest.FixtureRequest) -> Iterator[ProbeServer]:
     kw = getattr(request, "param", {})
-    srv = ProbeServer("127.0.0.1", 0, lambda: kw.get("local"), **kw.get("args", {}))
+    srv = ProbeServer("127.0.0.1", 0, lambda rail: kw.get("local"), **kw.get("args", {}))
     threading.Thread(target=srv.serve, daemon=True).start()
     try:
         yield srv
@@ -57,8 +62,12 @@ def server(request: pytest.FixtureRequest) -> Iterator[ProbeServer]:
 
 def _hello(port: int, timeout: float = 3.0) -> dict[str, Any]:
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as c:
+        f = c.makefile("r")
+        challenge = dict(json.loads(f.readline()))  # the server opens with a nonce
+        if "error" in challenge:
+            return challenge
         c.sendall(json.dumps({"node": "peer"}).encode() + b"\n")
-        return dict(json.loads(c.makefile("r").readline()))
+        return dict(json.loads(f.readline()))
 
 
 def test_an_idle_client_does_not_block_other_peers(server: ProbeServer) -> None:
@@ -80,8 +89,9 @@ def test_an_idle_client_does_not_block_other_peers(server: ProbeServer) -> None:
 )
 def test_a_session_ends_at_its_deadline(server: ProbeServer) -> None:
     with socket.create_connection(("127.0.0.1", server.port), timeout=5) as c:
-        c.sendall(json.dumps({"node": "peer"}).encode() + b"\n")
         f = c.makefile("r")
+        assert "nonce" in json.loads(f.readline())
+        c.sendall(json.dumps({"node": "peer"}).encode() + b"\n")
         assert "rc_qpn" in json.loads(f.readline())
         t0 = time.monotonic()
         assert f.readline() == ""  # the server hangs up: the peer went silent
@@ -96,8 +106,10 @@ def test_a_session_ends_at_its_deadline(server: ProbeServer) -> None:
 def test_beyond_the_cap_a_client_is_told_busy(server: ProbeServer) -> None:
     first = socket.create_connection(("127.0.0.1", server.port), timeout=5)
     try:
+        f = first.makefile("r")
+        assert "nonce" in json.loads(f.readline())
         first.sendall(json.dumps({"node": "a"}).encode() + b"\n")
-        assert "rc_qpn" in json.loads(first.makefile("r").readline())
+        assert "rc_qpn" in json.loads(f.readline())
         reply = _hello(server.port)
         assert "busy" in reply.get("error", ""), reply
     finally:
