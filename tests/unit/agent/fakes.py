@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import select
 import shlex
 import shutil
 from collections.abc import Sequence
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from metaroce_agent.host import CommandError, CommandResult, CommandRunner, Host, HostError
+from metaroce_agent.probe import Local
 
 ZERO = "0000:0000:0000:0000:0000:0000:0000:0000"
 
@@ -742,3 +744,35 @@ def two_numa_node(root: Path) -> tuple[SysfsTree, FakeKernel]:
     t.rdma("mlx5_0", netdev="ens1f0")
     t.rdma("mlx5_1", netdev="ens7f0")
     return t, FakeKernel(t, dcb_devices={"ens1f0", "ens7f0"})
+
+
+class SilentEndpoint:
+    """The verbs side of a probe session, without RDMA: nothing ever completes. Records
+    the device of each one made (subclasses give themselves their own `made` list)."""
+
+    made: list[str] = []
+
+    def __init__(self, local: Local) -> None:
+        type(self).made.append(local.device)
+        self.e = type("e", (), {"IBV_WC_RECV": 128, "IBV_WC_SUCCESS": 0})
+        self.rc_cq = self.ud_cq = object()
+
+    def post_rc_recv(self, n: int) -> None: ...
+
+    def post_ud_recv(self, n: int) -> None: ...
+
+    def connect(self, remote: dict[str, Any]) -> None: ...
+
+    def hello(self) -> dict[str, Any]:
+        return {"gid": "::", "rc_qpn": 1, "ud_qpn": 2, "psn": 0}
+
+    def poll(self, cq: Any, n: int = 16) -> list[tuple[int, int]]:
+        return []
+
+    def wait(self, timeout: float, extra: tuple[Any, ...] = ()) -> list[Any]:
+        r, _, _ = select.select(list(extra), [], [], min(timeout, 0.05))
+        return list(r)
+
+    def rc_send(self) -> None: ...
+
+    def close(self) -> None: ...

@@ -8,7 +8,6 @@ port makes the server create a PD, CQs and QPs, and can feed it a fake peer."""
 from __future__ import annotations
 
 import json
-import select
 import socket
 import threading
 from collections.abc import Iterator
@@ -16,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fakes import SilentEndpoint
 
 from metaroce_agent.probe import Local, ProbeServer, probe_peer
 from metaroce_agent.probe_auth import ProbeKeyError, load_key, sign, verify
@@ -25,40 +25,13 @@ OTHER = b"o" * 32
 LOCAL = Local("rxe_eth0", 1, 1, 104)
 
 
-class FakeEndpoint:
-    """The verbs side of a session, without RDMA: nothing ever completes."""
-
-    made = 0
-
-    def __init__(self, local: Local) -> None:
-        type(self).made += 1
-        self.e = type("e", (), {"IBV_WC_RECV": 128, "IBV_WC_SUCCESS": 0})
-        self.rc_cq = self.ud_cq = object()
-
-    def post_rc_recv(self, n: int) -> None: ...
-
-    def post_ud_recv(self, n: int) -> None: ...
-
-    def connect(self, remote: dict[str, Any]) -> None: ...
-
-    def hello(self) -> dict[str, Any]:
-        return {"gid": "::", "rc_qpn": 1, "ud_qpn": 2, "psn": 0}
-
-    def poll(self, cq: Any, n: int = 16) -> list[tuple[int, int]]:
-        return []
-
-    def wait(self, timeout: float, extra: tuple[Any, ...] = ()) -> list[Any]:
-        r, _, _ = select.select(list(extra), [], [], min(timeout, 0.05))
-        return list(r)
-
-    def rc_send(self) -> None: ...
-
-    def close(self) -> None: ...
+class FakeEndpoint(SilentEndpoint):
+    made: list[str] = []
 
 
 @pytest.fixture
 def server() -> Iterator[ProbeServer]:
-    FakeEndpoint.made = 0
+    FakeEndpoint.made = []
     srv = ProbeServer(
         "127.0.0.1",
         0,
@@ -91,7 +64,7 @@ def test_a_client_without_the_key_gets_no_verbs_resources(server: ProbeServer) -
         _send(c, {"node": "intruder", "gid": "::", "rc_qpn": 1, "ud_qpn": 2, "psn": 0})
         reply = json.loads(f.readline())
     assert "authentication" in reply.get("error", ""), reply
-    assert FakeEndpoint.made == 0
+    assert FakeEndpoint.made == []
     assert server.auth_failures == 1
 
 

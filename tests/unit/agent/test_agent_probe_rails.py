@@ -8,12 +8,12 @@ On b6733c0 the probe uses only the plan's first device: a dead second NIC is nev
 from __future__ import annotations
 
 import json
-import select
 import socket
 import threading
 from typing import Any
 
 import pytest
+from fakes import SilentEndpoint
 
 import metaroce_agent.probe as probe
 from metaroce_agent.probe import Local, PeerResult, Prober, ProbeServer, summarize
@@ -21,31 +21,8 @@ from metaroce_agent.probe import Local, PeerResult, Prober, ProbeServer, summari
 RAILS = [Local("mlx5_0", 1, 3, 104), Local("mlx5_1", 1, 3, 104)]
 
 
-class RecordingEndpoint:
+class RecordingEndpoint(SilentEndpoint):
     made: list[str] = []
-
-    def __init__(self, local: Local) -> None:
-        type(self).made.append(local.device)
-        self.e = type("e", (), {"IBV_WC_RECV": 128, "IBV_WC_SUCCESS": 0})
-        self.rc_cq = self.ud_cq = object()
-
-    def post_rc_recv(self, n: int) -> None: ...
-
-    def post_ud_recv(self, n: int) -> None: ...
-
-    def connect(self, remote: dict[str, Any]) -> None: ...
-
-    def hello(self) -> dict[str, Any]:
-        return {"gid": "::", "rc_qpn": 1, "ud_qpn": 2, "psn": 0}
-
-    def poll(self, cq: Any, n: int = 16) -> list[tuple[int, int]]:
-        return []
-
-    def wait(self, timeout: float, extra: tuple[Any, ...] = ()) -> list[Any]:
-        r, _, _ = select.select(list(extra), [], [], min(timeout, 0.05))
-        return list(r)
-
-    def close(self) -> None: ...
 
 
 def _session(port: int, rail: int) -> dict[str, Any]:

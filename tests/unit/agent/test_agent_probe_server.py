@@ -8,7 +8,6 @@ unauthenticated port blocks every other peer, and the node looks unreachable to 
 from __future__ import annotations
 
 import json
-import select
 import socket
 import threading
 import time
@@ -16,34 +15,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from fakes import SilentEndpoint
 
 from metaroce_agent.probe import Local, ProbeServer
 
-
-class FakeEndpoint:
-    """The verbs side of a session, without RDMA: nothing ever completes."""
-
-    def __init__(self, local: Local) -> None:
-        self.e = type("e", (), {"IBV_WC_RECV": 128, "IBV_WC_SUCCESS": 0})
-        self.rc_cq = self.ud_cq = object()
-
-    def post_rc_recv(self, n: int) -> None: ...
-
-    def post_ud_recv(self, n: int) -> None: ...
-
-    def connect(self, remote: dict[str, Any]) -> None: ...
-
-    def hello(self) -> dict[str, Any]:
-        return {"gid": "::", "rc_qpn": 1, "ud_qpn": 2, "psn": 0}
-
-    def poll(self, cq: Any, n: int = 16) -> list[tuple[int, int]]:
-        return []
-
-    def wait(self, timeout: float, extra: tuple[Any, ...] = ()) -> list[Any]:
-        r, _, _ = select.select(list(extra), [], [], min(timeout, 0.05))
-        return list(r)
-
-    def close(self) -> None: ...
+FakeEndpoint = SilentEndpoint
 
 
 LOCAL = Local("rxe_eth0", 1, 1, 104)
