@@ -77,7 +77,7 @@ class WebhookEnv:
 
     # -- install ------------------------------------------------------------------------
 
-    def rendered(self, template: str, *extra: str) -> str:
+    def rendered(self, template: str, *extra: str, mode: str | None = None) -> str:
         out = self.cluster.helm(
             "template",
             self.release,
@@ -87,7 +87,7 @@ class WebhookEnv:
             "--set",
             f"namespace.name={self.namespace}",  # the operator's namespace (Service, Secret)
             "--set",
-            f"admission.mode={self.mode}",
+            f"admission.mode={mode or self.mode}",
             "--kube-version",
             "v1.37.2",
             "--show-only",
@@ -100,8 +100,8 @@ class WebhookEnv:
         return self.rendered("webhook-configurations.yaml", *extra)
 
     def rendered_pod_policies(self) -> str:
-        """The chart's ValidatingAdmissionPolicy + binding (policy mode only)."""
-        return self.rendered("pod-policies.yaml")
+        """The chart's ValidatingAdmissionPolicy + binding (of the policy mode)."""
+        return self.rendered("pod-policies.yaml", mode="policy")
 
     def install(self) -> None:
         apply_crds(self.cluster)
@@ -253,6 +253,14 @@ class WebhookEnv:
         if self.mode == "policy":
             self.apply_pod_policy(name)
         return body
+
+    def pod_policy_documents(self, name: str) -> str:
+        """The network's MutatingAdmissionPolicy + binding as the operator renders them."""
+        from metaroce_api import validate_network
+
+        live = json.loads(self.cluster.kubectl("get", c.NETWORK_PLURAL, name, "-o", "json").stdout)
+        objects = render_pod_policy(validate_network(live), RenderSettings(admission_mode="policy"))
+        return "\n---\n".join(json.dumps(o) for o in objects)
 
     def apply_pod_policy(self, name: str) -> list[dict[str, Any]]:
         """What the operator does in policy mode for network `name`: render its
