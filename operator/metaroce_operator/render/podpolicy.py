@@ -94,12 +94,20 @@ def record_key(network: str) -> str:
 def pod_policy_variables(
     network: str, resource: str, env: dict[str, str], forbidden: str
 ) -> list[dict[str, str]]:
-    """The policy's CEL variables, in evaluation order (each may use the ones before)."""
+    """The policy's CEL variables, in evaluation order (each may use the ones before).
+
+    The apiserver evaluates a variable once per admission, when first used, and every
+    field read walks the typed pod by reflection, which dominates the cost (profiled:
+    bench/webhook_admission.py --pprof): so each container field is read once, into small
+    per-target states, and what a pod does not need (init containers, the annotation's
+    parse for several networks) is never evaluated."""
+    r = lit(resource)
     has_resource = (
-        f"has(c.resources) && ((has(c.resources.requests) && {lit(resource)} in "
-        f"c.resources.requests) || (has(c.resources.limits) && {lit(resource)} in "
-        "c.resources.limits))"
+        f"has(c.resources) && ((has(c.resources.requests) && {r} in c.resources.requests) || "
+        f"(has(c.resources.limits) && {r} in c.resources.limits))"
     )
+    prefix = lit(c.POLICY_INJECTED_PREFIX + "/")
+    sc = "variables.tcs[k].securityContext"
     return [
         {"name": "ann", "expression": "object.metadata.annotations"},
         {
@@ -112,16 +120,15 @@ def pod_policy_variables(
             # their values of a variable this network also wants give way to this one's.
             "name": "later",
             "expression": f"variables.names.filter(n, variables.names.indexOf(n) > "
-            f"variables.names.indexOf({lit(network)}) && "
-            f"({lit(c.POLICY_INJECTED_PREFIX + '/')} + n) in variables.ann)"
-            f".map(n, variables.ann[{lit(c.POLICY_INJECTED_PREFIX + '/')} + n])",
+            f"variables.names.indexOf({lit(network)}) && ({prefix} + n) in variables.ann)"
+            f".map(n, variables.ann[{prefix} + n])",
         },
         {"name": "forbidden", "expression": forbidden},
         {"name": "n", "expression": "size(object.spec.containers)"},
         {
             "name": "all",
-            "expression": "object.spec.containers + (has(object.spec.initContainers) ? "
-            "object.spec.initContainers : [])",
+            "expression": "has(object.spec.initContainers) ? "
+            "object.spec.containers + object.spec.initContainers : object.spec.containers",
         },
         {
             "name": "holds",
@@ -138,17 +145,36 @@ def pod_policy_variables(
             "expression": "size(variables.holds) > 0 ? variables.holds : "
             "(size(variables.named) > 0 ? [variables.named[0]] : [])",
         },
+        {"name": "tcs", "expression": "variables.targets.map(i, variables.all[i])"},
         {
             "name": "paths",
             "expression": "variables.targets.map(i, i < variables.n ? "
             "'/spec/containers/' + string(i) : '/spec/initContainers/' + string(i - variables.n))",
         },
+        {
+            # Per target: how IPC_LOCK gets in. 0: it is there, or the user drops it;
+            # 1: no securityContext; 2: no capabilities; 3: no capabilities.add; 4: append.
+            "name": "caps",
+            "expression": "variables.targets.transformList(k, i, "
+            f"!has({sc}) ? 1 : !has({sc}.capabilities) ? 2 : "
+            f"(has({sc}.capabilities.drop) && {lit(IPC_LOCK)} in {sc}.capabilities.drop) ? 0 : "
+            f"!has({sc}.capabilities.add) ? 3 : {lit(IPC_LOCK)} in {sc}.capabilities.add ? 0 : 4)",
+        },
+        {
+            # The default target's resources when no container holds the resource:
+            # 0: a container holds it; 1: no resources; 2: resources, no requests;
+            # 3: requests only; 4: limits only; 5: both.
+            "name": "res",
+            "expression": "size(variables.holds) > 0 || size(variables.targets) == 0 ? 0 : "
+            "!has(variables.tcs[0].resources) ? 1 : "
+            "(has(variables.tcs[0].resources.requests) ? 1 : 0) + "
+            "(has(variables.tcs[0].resources.limits) ? 2 : 0) + 2",
+        },
         {"name": "env", "expression": cel_map(env)},
         {"name": "keys", "expression": cel_list(list(env))},
         {
             "name": "userEnv",
-            "expression": "variables.targets.map(i, has(variables.all[i].env) ? "
-            "variables.all[i].env.map(e, e.name) : [])",
+            "expression": "variables.tcs.map(t, has(t.env) ? t.env.map(e, e.name) : [])",
         },
         {
             "name": "missing",
@@ -157,8 +183,8 @@ def pod_policy_variables(
         {
             # Per target: indexes of env entries whose value a later-listed network set.
             "name": "replaced",
-            "expression": "variables.targets.map(i, has(variables.all[i].env) ? "
-            "variables.all[i].env.transformList(j, e, e.name in variables.env && "
+            "expression": "variables.tcs.map(t, has(t.env) ? "
+            "t.env.transformList(j, e, e.name in variables.env && "
             "has(e.value) && e.value != variables.env[e.name] && "
             "variables.later.exists(r, r.contains('\"' + e.name + '\":')), j) : [])",
         },
@@ -175,53 +201,43 @@ def _resource_ops(resource: str) -> str:
     r = lit(resource)
     esc = f"jsonpatch.escapeKey({r})"
     one = f"{{{r}: '1'}}"
+    at = "variables.paths[0] + '/resources"
+    whole = f"JSONPatch{{op: 'add', path: {at}', value: {{'requests': {one}, 'limits': {one}}}}}"
+    requests = f"JSONPatch{{op: 'add', path: {at}/requests', value: {one}}}"
+    request = f"JSONPatch{{op: 'add', path: {at}/requests/' + {esc}, value: '1'}}"
+    limits = f"JSONPatch{{op: 'add', path: {at}/limits', value: {one}}}"
+    limit = f"JSONPatch{{op: 'add', path: {at}/limits/' + {esc}, value: '1'}}"
     default = (
-        "size(variables.holds) > 0 ? [] : "
-        "(!has(variables.all[variables.targets[0]].resources) ? "
-        "[JSONPatch{op: 'add', path: variables.paths[0] + '/resources', "
-        f"value: {{'requests': {one}, 'limits': {one}}}}}] : "
-        "(has(variables.all[variables.targets[0]].resources.requests) ? "
-        f"[JSONPatch{{op: 'add', path: variables.paths[0] + '/resources/requests/' + {esc}, "
-        "value: '1'}] : "
-        "[JSONPatch{op: 'add', path: variables.paths[0] + '/resources/requests', "
-        f"value: {one}}}]) + "
-        "(has(variables.all[variables.targets[0]].resources.limits) ? "
-        f"[JSONPatch{{op: 'add', path: variables.paths[0] + '/resources/limits/' + {esc}, "
-        "value: '1'}] : "
-        "[JSONPatch{op: 'add', path: variables.paths[0] + '/resources/limits', "
-        f"value: {one}}}]))"
+        f"variables.res == 0 ? [] : variables.res == 1 ? [{whole}] : "
+        f"variables.res == 2 ? [{requests}, {limits}] : variables.res == 3 ? "
+        f"[{request}, {limits}] : variables.res == 4 ? [{requests}, {limit}] : [{request}, {limit}]"
     )
     # A holder asking with a request only: the apiserver requires an equal limit.
-    limits = (
-        "variables.targets.transformList(k, i, has(variables.all[i].resources.requests) && "
-        f"{r} in variables.all[i].resources.requests && "
-        f"!(has(variables.all[i].resources.limits) && {r} in variables.all[i].resources.limits), "
-        "has(variables.all[i].resources.limits) ? "
+    req = f"variables.tcs[k].resources.requests[{r}]"
+    holder_limits = (
+        "variables.tcs.transformList(k, t, has(t.resources.requests) && "
+        f"{r} in t.resources.requests && "
+        f"!(has(t.resources.limits) && {r} in t.resources.limits), "
+        "has(t.resources.limits) ? "
         f"JSONPatch{{op: 'add', path: variables.paths[k] + '/resources/limits/' + {esc}, "
-        f"value: string(variables.all[i].resources.requests[{r}])}} : "
+        f"value: string({req})}} : "
         "JSONPatch{op: 'add', path: variables.paths[k] + '/resources/limits', "
-        f"value: {{{r}: string(variables.all[i].resources.requests[{r}])}}}})"
+        f"value: {{{r}: string({req})}}}})"
     )
-    return f"({default}) + (size(variables.holds) > 0 ? {limits} : [])"
+    return f"({default}) + (size(variables.holds) > 0 ? {holder_limits} : [])"
 
 
 def _capability_ops() -> str:
     """CEL: per target, IPC_LOCK added unless present or dropped by the user."""
     ipc = lit(IPC_LOCK)
-    sc = "variables.all[i].securityContext"
+    at = "variables.paths[k] + '/securityContext"
     return (
-        "variables.targets.transformList(k, i, "
-        f"has({sc}) && has({sc}.capabilities) && has({sc}.capabilities.drop) && "
-        f"{ipc} in {sc}.capabilities.drop ? [] : "
-        f"!has({sc}) ? [JSONPatch{{op: 'add', path: variables.paths[k] + '/securityContext', "
-        f"value: {{'capabilities': {{'add': [{ipc}]}}}}}}] : "
-        f"!has({sc}.capabilities) ? [JSONPatch{{op: 'add', path: variables.paths[k] + "
-        f"'/securityContext/capabilities', value: {{'add': [{ipc}]}}}}] : "
-        f"!has({sc}.capabilities.add) ? [JSONPatch{{op: 'add', path: variables.paths[k] + "
-        f"'/securityContext/capabilities/add', value: [{ipc}]}}] : "
-        f"{ipc} in {sc}.capabilities.add ? [] : [JSONPatch{{op: 'add', path: "
-        f"variables.paths[k] + '/securityContext/capabilities/add/-', value: {ipc}}}])"
-        ".flatten()"
+        "variables.caps.transformList(k, s, s > 0, "
+        f"s == 1 ? JSONPatch{{op: 'add', path: {at}', "
+        f"value: {{'capabilities': {{'add': [{ipc}]}}}}}} : "
+        f"s == 2 ? JSONPatch{{op: 'add', path: {at}/capabilities', value: {{'add': [{ipc}]}}}} : "
+        f"s == 3 ? JSONPatch{{op: 'add', path: {at}/capabilities/add', value: [{ipc}]}} : "
+        f"JSONPatch{{op: 'add', path: {at}/capabilities/add/-', value: {ipc}}})"
     )
 
 
@@ -229,16 +245,16 @@ def _env_ops() -> str:
     """CEL: per target, the missing NCCL variables appended (one op creates `env`), and the
     values a later-listed network set replaced by this network's."""
     add = (
-        "variables.targets.transformList(k, i, size(variables.missing[k]) == 0 ? [] : "
-        "!has(variables.all[i].env) ? [JSONPatch{op: 'add', path: variables.paths[k] + '/env', "
+        "variables.tcs.transformList(k, t, size(variables.missing[k]) == 0 ? [] : "
+        "!has(t.env) ? [JSONPatch{op: 'add', path: variables.paths[k] + '/env', "
         "value: variables.missing[k].map(v, {'name': v, 'value': variables.env[v]})}] : "
         "variables.missing[k].map(v, JSONPatch{op: 'add', path: variables.paths[k] + '/env/-', "
         "value: {'name': v, 'value': variables.env[v]}})).flatten()"
     )
     replace = (
-        "variables.targets.transformList(k, i, variables.replaced[k].map(j, "
+        "variables.tcs.transformList(k, t, variables.replaced[k].map(j, "
         "JSONPatch{op: 'replace', path: variables.paths[k] + '/env/' + string(j) + '/value', "
-        "value: variables.env[variables.all[i].env[j].name]})).flatten()"
+        "value: variables.env[t.env[j].name]})).flatten()"
     )
     return f"{add} + {replace}"
 
@@ -247,19 +263,12 @@ def _record_op(network: str, resource: str) -> str:
     """CEL: the record annotation, JSON (every value rendered is a safe literal)."""
     r = lit(resource)
     parts = [
-        "'{\"container\":\"' + variables.all[variables.targets[0]].name + '\"'",
-        f"(size(variables.holds) == 0 ? ',\"resources\":{{\"' + {r} + '\":\"1\"}}' : '')",
-        "(variables.targets.exists(i, !(has(variables.all[i].securityContext) && "
-        "has(variables.all[i].securityContext.capabilities) && "
-        "((has(variables.all[i].securityContext.capabilities.add) && 'IPC_LOCK' in "
-        "variables.all[i].securityContext.capabilities.add) || "
-        "(has(variables.all[i].securityContext.capabilities.drop) && 'IPC_LOCK' in "
-        "variables.all[i].securityContext.capabilities.drop)))) ? "
-        "',\"capabilities\":[\"IPC_LOCK\"]' : '')",
+        "'{\"container\":\"' + variables.tcs[0].name + '\"'",
+        f"(variables.res > 0 ? ',\"resources\":{{\"' + {r} + '\":\"1\"}}' : '')",
+        "(variables.caps.exists(s, s > 0) ? ',\"capabilities\":[\"IPC_LOCK\"]' : '')",
         "',\"env\":{' + variables.keys.filter(v, variables.missing.exists(m, v in m) || "
-        "variables.targets.exists(k, i, variables.replaced[k].exists(j, "
-        "variables.all[i].env[j].name == v))).map(v, '\"' + v + '\":\"' + variables.env[v] + "
-        "'\"').join(',') + '}}'",
+        "variables.tcs.exists(k, t, variables.replaced[k].exists(j, t.env[j].name == v)))"
+        ".map(v, '\"' + v + '\":\"' + variables.env[v] + '\"').join(',') + '}}'",
     ]
     value = " + ".join(parts)
     key = lit(record_key(network))
@@ -278,18 +287,20 @@ def pod_patch_expression(network: str, resource: str) -> str:
 
 
 def match_conditions(network: str) -> list[dict[str, str]]:
-    """Pods that name this network and carry no record of it yet (the guard)."""
+    """Pods that name this network and carry no record of it yet (the guard), in one
+    condition whose cheapest tests come first (CEL's && stops at the first false): it is
+    evaluated for every pod created, and again when the apiserver reinvokes policies. The
+    name test matches `<network>` between commas with spaces ignored; the chart's
+    ValidatingAdmissionPolicy refuses annotations that are not a list of names."""
     ann = "object.metadata.annotations"
+    nets = lit(c.NETWORKS_ANNOTATION)
     return [
         {
-            "name": "names-this-network",
-            "expression": f"has({ann}) && {lit(c.NETWORKS_ANNOTATION)} in {ann} && "
-            f"{ann}[{lit(c.NETWORKS_ANNOTATION)}].split(',').exists(s, s.trim() == {lit(network)})",
-        },
-        {
-            "name": "not-injected-yet",
-            "expression": f"!({lit(record_key(network))} in {ann})",
-        },
+            "name": "names-this-network-not-injected-yet",
+            "expression": f"has({ann}) && {nets} in {ann} && "
+            f"!({lit(record_key(network))} in {ann}) && "
+            f"(',' + {ann}[{nets}].replace(' ', '') + ',').contains({lit(',' + network + ',')})",
+        }
     ]
 
 

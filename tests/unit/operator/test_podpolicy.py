@@ -89,10 +89,17 @@ def test_the_network_s_values_are_literals_of_the_policy() -> None:
     assert "jsonpatch.escapeKey('injected.metaroce.io/fabric')" in patch
 
 
-def test_match_conditions_select_the_network_and_guard_reinvocation() -> None:
-    names, guard = match_conditions("fabric")
-    assert "s.trim() == 'fabric'" in names["expression"]
-    assert guard["expression"] == "!('injected.metaroce.io/fabric' in object.metadata.annotations)"
+def test_match_condition_selects_the_network_and_guards_reinvocation() -> None:
+    (cond,) = match_conditions("fabric")
+    text = cond["expression"]
+    assert "!('injected.metaroce.io/fabric' in object.metadata.annotations)" in text
+    assert ".replace(' ', '') + ',').contains(',fabric,')" in text
+    # The cheap tests first: && stops at the first false for the pods of other networks.
+    assert (
+        text.index("has(object.metadata.annotations)")
+        < text.index("injected")
+        < text.index("contains")
+    )
     assert record_key("fabric") == "injected.metaroce.io/fabric"
 
 
