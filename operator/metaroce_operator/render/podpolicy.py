@@ -15,8 +15,14 @@ out of the apiserver, so annotated pods are admitted while the operator is down:
   in (a policy replaces a value that a network listed after it injected, which it knows
   from that network's record; never a value the user set);
 - the record `injected.metaroce.io/<network>` (JSON: container, resources, capabilities,
-  env) says what was injected and is the "already injected" guard (a matchCondition):
-  reinvocation (`reinvocationPolicy: IfNeeded`) changes nothing.
+  env) says what was injected and is the "already injected" guard (a matchCondition): a
+  pod re-created from a mutated one, or a reinvocation, changes nothing.
+  `reinvocationPolicy: Never`, as the pod webhook's: the order of several networks'
+  policies does not matter (see above), and the reinvocation pass costs the apiserver
+  about 0.2 ms of CPU per pod (measured with dry-run creates: 1.6 ms against 1.8 ms).
+
+JSONPatch, not ApplyConfiguration: an apply configuration may not change atomic lists,
+and `securityContext.capabilities.add` is one (the apiserver refuses it).
 
 Refusals are the chart's ValidatingAdmissionPolicy (`templates/pod-policies.yaml`): a
 badly written annotation, a missing named container, a namespace whose Pod Security level
@@ -323,7 +329,7 @@ def render_pod_policy(network: MetaRoceNetwork, settings: RenderSettings) -> lis
         "metadata": meta,
         "spec": {
             "failurePolicy": "Fail",
-            "reinvocationPolicy": "IfNeeded",
+            "reinvocationPolicy": "Never",
             "matchConstraints": {
                 "resourceRules": [
                     {

@@ -53,7 +53,7 @@ def test_policy_mode_renders_the_policy_and_binding_last_owned_by_the_network() 
         assert (ref["kind"], ref["name"], ref["uid"]) == (c.NETWORK_KIND, "fabric", "uid-1")
     assert binding["spec"] == {"policyName": "metaroce-pods-fabric"}
     spec = policy["spec"]
-    assert spec["failurePolicy"] == "Fail" and spec["reinvocationPolicy"] == "IfNeeded"
+    assert spec["failurePolicy"] == "Fail" and spec["reinvocationPolicy"] == "Never"
     rule = spec["matchConstraints"]["resourceRules"][0]
     assert rule["resources"] == ["pods"] and rule["operations"] == ["CREATE"]
     assert [m["patchType"] for m in spec["mutations"]] == ["JSONPatch"]
