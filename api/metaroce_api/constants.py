@@ -32,6 +32,10 @@ NETWORKS_ANNOTATION: Final = f"{GROUP}/networks"
 """On a Pod: `<name>[,<name>...]`, the networks the pod asks for (the webhook's trigger)."""
 INJECTED_ANNOTATION: Final = f"{GROUP}/injected"
 """On a Pod: what the webhook injected (JSON), so a reader need not diff the pod spec."""
+POLICY_INJECTED_PREFIX: Final = f"injected.{GROUP}"
+"""On a Pod admitted by the admission policies (`policy` mode): the annotation
+`injected.metaroce.io/<network>` records what that network's policy injected (JSON), one
+per network, since each network's policy runs on its own."""
 CONFIG_HASH_ANNOTATION: Final = f"{GROUP}/config-hash"
 """On the agent pod template: hash of the rendered agent config, so a change rolls the agents."""
 

@@ -48,12 +48,29 @@ def set_flags(values: Mapping[str, Any], prefix: str = "") -> list[str]:
 def render(
     cluster: LocalCluster, release: str, values: Mapping[str, Any] = {}, *extra: str
 ) -> list[dict[str, Any]]:
-    """`helm template` of the chart (for the cluster's Kubernetes version)."""
+    """`helm template` of the chart as `helm install` renders it on `cluster`: for its
+    Kubernetes version and the API versions that pick the admission mode (`helm template`
+    alone assumes an old cluster and knows none of them)."""
     out = cluster.helm(
         "template", release, str(CHART_DIR), f"--kube-version={kube_version(cluster)}",
+        *(f"--api-versions={v}" for v in served_policy_apis(cluster)),
         *set_flags(values), *extra,
     ).stdout  # fmt: skip
     return [d for d in yaml.safe_load_all(out) if d]
+
+
+MUTATING_POLICY_API = "admissionregistration.k8s.io/v1/MutatingAdmissionPolicy"
+"""What the chart's `metaroce.admissionMode` looks for (auto: policy mode where served)."""
+
+
+def served_policy_apis(cluster: LocalCluster) -> list[str]:
+    """`[MUTATING_POLICY_API]` where the cluster serves it (discovery, as helm install)."""
+    out = cluster.kubectl(
+        "api-resources", "--api-group=admissionregistration.k8s.io", "-o", "name", check=False
+    ).stdout
+    served = "mutatingadmissionpolicies.admissionregistration.k8s.io" in out.split()
+    version = cluster.kubectl("api-versions").stdout.split()
+    return [MUTATING_POLICY_API] if served and "admissionregistration.k8s.io/v1" in version else []
 
 
 def kube_version(cluster: LocalCluster) -> str:
@@ -162,7 +179,13 @@ def start_host_operator(
     net = cluster.pod_network
     if net is None:
         raise HarnessError("the cluster is not started")
-    args = operator_args(render(cluster, release, {"namespace": {"name": namespace}}))
+    docs = render(cluster, release, {"namespace": {"name": namespace}})
+    args = operator_args(docs)
+    configs = [
+        (d["kind"].lower(), d["metadata"]["name"])
+        for d in docs
+        if d.get("kind") in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration")
+    ]
     kubeconfig = token_kubeconfig(
         cluster, namespace, release, workdir / "operator.kubeconfig",
         server=f"https://{net.host_ip}:{cluster.api_port}",
@@ -186,10 +209,8 @@ def start_host_operator(
     def leading_with_ca() -> bool:
         operator.check_alive()
         lease = get("lease", "metaroce-operator", "-n", namespace)
-        hooks = [
-            get("validatingwebhookconfiguration", f"{release}-networks"),
-            get("mutatingwebhookconfiguration", f"{release}-pods"),
-        ]
+        # The pod webhook's configuration only in the webhook admission mode.
+        hooks = [get(kind, name) for kind, name in configs]
         return bool(
             lease
             and lease["spec"].get("holderIdentity")

@@ -46,6 +46,7 @@ def chart_arguments(
     webhook_port: int = WEBHOOK_PORT,
     cert_manager: bool = False,
     allowed_agent_images: Sequence[str] = (),
+    admission_mode: str = "webhook",
 ) -> list[str]:
     """The arguments the Helm chart passes to `metaroce operator`.
 
@@ -64,7 +65,14 @@ def chart_arguments(
         f"--webhook-cert-secret={namespace}/"
         + c.WEBHOOK_CERT_SECRET_TEMPLATE.format(fullname=fullname),
         "--webhook-service=" + c.WEBHOOK_SERVICE_TEMPLATE.format(fullname=fullname),
-        "--webhook-mutating-config=" + c.POD_WEBHOOK_CONFIG_TEMPLATE.format(fullname=fullname),
+        *(
+            ["--admission-mode=policy"]
+            if admission_mode == "policy"
+            else [
+                "--webhook-mutating-config="
+                + c.POD_WEBHOOK_CONFIG_TEMPLATE.format(fullname=fullname)
+            ]
+        ),
         "--webhook-validating-config="
         + c.NETWORK_WEBHOOK_CONFIG_TEMPLATE.format(fullname=fullname),
     ]
@@ -138,6 +146,19 @@ def _operator_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--health-port", type=_port("--health-port"), default=HEALTH_PORT, help="0 = off"
     )
+    p.add_argument(
+        "--admission-mode",
+        default="webhook",
+        help="how annotated pods are mutated: webhook (the pod webhook of every replica; "
+        "the default) or policy (a MutatingAdmissionPolicy per network, run by the "
+        "apiserver itself; the chart picks policy where the cluster serves it)",
+    )
+    p.add_argument(
+        "--pod-security-default",
+        default="privileged",
+        help="the cluster's PodSecurity default enforce level, for namespaces without the "
+        "label (policy mode: such namespaces get no IPC_LOCK; default privileged)",
+    )
     p.add_argument("--bind-address", default="0.0.0.0", help="address of the HTTP(S) endpoints")
     p.add_argument(
         "--webhook-port",
@@ -194,6 +215,8 @@ def settings_from_args(argv: Sequence[str]) -> OperatorSettings:
         namespace=args.namespace,
         agent_image=args.agent_image,
         extra_agent_images=tuple(args.allowed_agent_image),
+        admission_mode=args.admission_mode,
+        pod_security_default=args.pod_security_default,
     )
     return OperatorSettings(
         render=render,
@@ -274,6 +297,11 @@ def _render_parser() -> argparse.ArgumentParser:
     p.add_argument("-f", "--filename", required=True, help="network YAML file ('-' for stdin)")
     p.add_argument("--agent-image", default=DEFAULT_AGENT_IMAGE, help="default agent image")
     p.add_argument("--namespace", default=DEFAULT_NAMESPACE, help="namespace of the agents")
+    p.add_argument(
+        "--admission-mode",
+        default="webhook",
+        help="policy: also render each network's MutatingAdmissionPolicy and binding",
+    )
     p.add_argument("-o", "--output", choices=["yaml", "json"], default="yaml")
     return p
 
@@ -310,7 +338,11 @@ def render_main(argv: Sequence[str], out: TextIO | None = None) -> int:
     out = out or sys.stdout
     args = _render_parser().parse_args(list(argv))
     try:
-        settings = RenderSettings(namespace=args.namespace, agent_image=args.agent_image)
+        settings = RenderSettings(
+            namespace=args.namespace,
+            agent_image=args.agent_image,
+            admission_mode=args.admission_mode,
+        )
         docs = _read_networks(args.filename)
         objects: list[dict[str, Any]] = []
         for doc in docs:

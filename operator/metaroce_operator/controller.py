@@ -51,6 +51,7 @@ from metaroce_operator.observed import (
 )
 from metaroce_operator.render import config_generation, render_network
 from metaroce_operator.render.common import agent_config, child_name, config_hash
+from metaroce_operator.render.podpolicy import policy_name
 from metaroce_operator.settings import OperatorSettings
 from metaroce_operator.status import (
     CONFIGURED_PHASES,
@@ -74,6 +75,8 @@ CONFIGMAP = KINDS[("v1", "ConfigMap")]
 CLUSTERROLE = KINDS[("rbac.authorization.k8s.io/v1", "ClusterRole")]
 NAMESPACE = KINDS[("v1", "Namespace")]
 NODE = KINDS[("v1", "Node")]
+POD_POLICY = KINDS[("admissionregistration.k8s.io/v1", "MutatingAdmissionPolicy")]
+POD_POLICY_BINDING = KINDS[("admissionregistration.k8s.io/v1", "MutatingAdmissionPolicyBinding")]
 OS_LABEL = "kubernetes.io/os"
 DRIFT_CHECKED = ("DaemonSet", "ClusterRole", "ClusterRoleBinding")
 """Children whose owned fields are compared with each watch event (see `drift`)."""
@@ -125,6 +128,9 @@ class Store:
         self.unhealthy: dict[str, frozenset[str]] = {}
         self.rendered: dict[str, dict[str, dict[str, Any]]] = {}
         """network -> kind -> the child last applied (what drift is judged against)."""
+        self.policies_checked: set[str] = set()
+        """Webhook admission mode: networks whose leftover pod policies (from a run in
+        policy mode) this process has deleted, once per network."""
 
     def set_network(self, body: dict[str, Any]) -> bool:
         """Keep the newest body; an event older than our own write's response is ignored
@@ -151,6 +157,7 @@ class Store:
             self.rendered,
         ):
             table.pop(name, None)
+        self.policies_checked.discard(name)
 
 
 class Controller:
@@ -444,6 +451,7 @@ class Controller:
             await self._apply(name, children[1:])
         else:
             await self._apply(name, children)
+        await self._drop_leftover_policies(name)
         if has and not wants:
             await cleanup.set_finalizer(self.kube, name, False, c.FIELD_MANAGER)
         self.store.rendered[name] = {
@@ -458,6 +466,22 @@ class Controller:
             config_gen,
         )
         self.batch.mark(name)
+
+    async def _drop_leftover_policies(self, name: str) -> None:
+        """Webhook mode: delete the network's pod admission policy left by a run in policy
+        mode, so the webhook and a policy never both mutate a pod (once per network)."""
+        if self.settings.render.admission_mode != "webhook" or name in self.store.policies_checked:
+            return
+        for kind in (POD_POLICY_BINDING, POD_POLICY):
+            try:
+                if await self.kube.delete(kind, policy_name(name)):
+                    log.info("deleted %s of %s: the operator runs in webhook mode", kind.kind, name)
+            except ApiError as err:
+                if err.status != 403:
+                    raise
+                # An install whose RBAC predates the policy mode has none to leave behind.
+                log.debug("cannot check for a leftover %s of %s: %s", kind.kind, name, err)
+        self.store.policies_checked.add(name)
 
     async def _apply(self, name: str, children: list[dict[str, Any]]) -> list[dict[str, Any]]:
         try:

@@ -144,6 +144,18 @@ def _kinds() -> dict[tuple[str, str], Kind]:
         Kind("rbac.authorization.k8s.io/v1", "Role", "roles", True),
         Kind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings", True),
         Kind("coordination.k8s.io/v1", "Lease", "leases", True),
+        Kind(
+            "admissionregistration.k8s.io/v1",
+            "MutatingAdmissionPolicy",
+            "mutatingadmissionpolicies",
+            False,
+        ),
+        Kind(
+            "admissionregistration.k8s.io/v1",
+            "MutatingAdmissionPolicyBinding",
+            "mutatingadmissionpolicybindings",
+            False,
+        ),
         Kind(c.API_VERSION, c.NETWORK_KIND, c.NETWORK_PLURAL, False),
         Kind(c.API_VERSION, c.NODESTATE_KIND, c.NODESTATE_PLURAL, False),
     ]

@@ -20,6 +20,10 @@ DEFAULT_NAMESPACE: Final = "metaroce-system"
 DEFAULT_AGENT_IMAGE: Final = f"ghcr.io/metaroce/metaroce-agent:{__version__}"
 """Pinned by the operator's own version: an operator renders agents of its release."""
 DEFAULT_LEASE_NAME: Final = "metaroce-operator"
+ADMISSION_MODES: Final = ("webhook", "policy")
+"""How annotated pods are mutated: by the pod webhook of every replica, or by a
+MutatingAdmissionPolicy per network that the operator renders (the chart picks)."""
+POD_SECURITY_LEVELS: Final = ("privileged", "baseline", "restricted")
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
@@ -97,9 +101,30 @@ class RenderSettings:
     """Image when the network does not set `spec.agent.image`."""
     extra_agent_images: tuple[str, ...] = ()
     """Further images a network may set in `spec.agent.image` (`--allowed-agent-image`)."""
+    admission_mode: str = "webhook"
+    """`policy`: render each network's MutatingAdmissionPolicy (`--admission-mode`)."""
+    pod_security_check: bool = True
+    """Policies inject nothing into pods of namespaces whose Pod Security level forbids
+    IPC_LOCK (the chart's ValidatingAdmissionPolicy then refuses them with the reason)."""
+    pod_security_default: str = "privileged"
+    """The cluster's PodSecurity default `enforce` level, for namespaces without the label."""
 
     def __post_init__(self) -> None:
         check_namespace("--namespace", self.namespace)
+        if self.admission_mode not in ADMISSION_MODES:
+            raise SettingsError(
+                "--admission-mode",
+                self.admission_mode,
+                "write webhook (the pod webhook mutates pods) or policy (a "
+                "MutatingAdmissionPolicy per network; needs admissionregistration.k8s.io/v1 "
+                "MutatingAdmissionPolicy, Kubernetes >= 1.36)",
+            )
+        if self.pod_security_default not in POD_SECURITY_LEVELS:
+            raise SettingsError(
+                "--pod-security-default",
+                self.pod_security_default,
+                "write privileged, baseline or restricted (the cluster's PodSecurity default)",
+            )
         check_image("--agent-image", self.agent_image)
         for image in self.extra_agent_images:
             check_image("--allowed-agent-image", image)

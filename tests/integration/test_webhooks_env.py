@@ -9,6 +9,12 @@ the `test_webhooks_` prefix only keeps it with the files it serves).
   (`certs.ensure_secret` + `certs.patch_ca_bundles`);
 - one webhook replica (`python -m metaroce_operator.webhooks --cert-secret ...`) in the
   pod network, behind the chart's Service name (a selector-less Service + EndpointSlice).
+
+`mode` is the chart's `admission.mode`: `webhook` (the pod webhook mutates), or `policy`
+(no pod webhook; the chart's ValidatingAdmissionPolicy, and for each network created the
+MutatingAdmissionPolicy and binding that the operator renders, `render_pod_policy`,
+applied as the operator applies them: server-side, its field manager, owned by the
+network). The network validation webhook is there in both modes.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from cryptography import x509
 from metaroce_api import constants as c
 from metaroce_harness.cluster import Component, FakeNode, LocalCluster, free_port
 from metaroce_harness.polling import wait_for as wait_for  # re-exported for the tests
+from metaroce_operator.render.podpolicy import policy_name, render_pod_policy
+from metaroce_operator.settings import RenderSettings
 from metaroce_operator.webhooks import certs
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,8 +49,12 @@ def apply_crds(cluster: LocalCluster) -> None:
 
 
 class WebhookEnv:
-    def __init__(self, cluster: LocalCluster, tag: str | None = None) -> None:
+    def __init__(
+        self, cluster: LocalCluster, tag: str | None = None, mode: str = "webhook"
+    ) -> None:
         assert cluster.pod_network is not None and cluster.workdir is not None
+        assert mode in ("webhook", "policy"), mode
+        self.mode = mode
         self.cluster = cluster
         self.tag = tag or secrets.token_hex(3)
         self.namespace = f"mrwh-{self.tag}"
@@ -52,6 +64,8 @@ class WebhookEnv:
         self.secret = f"{fullname}-webhook-tls"
         self.mutating = f"{fullname}-pods"
         self.validating = f"{fullname}-networks"
+        self.pod_policy = f"{fullname}-pods"
+        """The chart's ValidatingAdmissionPolicy (and binding) of the policy mode."""
         self.port = free_port()
         self.metrics_port = free_port()
         self.kubeconfig = cluster.pod_network_kubeconfig()
@@ -63,7 +77,7 @@ class WebhookEnv:
 
     # -- install ------------------------------------------------------------------------
 
-    def rendered_configurations(self, *extra: str) -> str:
+    def rendered(self, template: str, *extra: str, mode: str | None = None) -> str:
         out = self.cluster.helm(
             "template",
             self.release,
@@ -72,18 +86,29 @@ class WebhookEnv:
             self.namespace,
             "--set",
             f"namespace.name={self.namespace}",  # the operator's namespace (Service, Secret)
+            "--set",
+            f"admission.mode={mode or self.mode}",
             "--kube-version",
             "v1.37.2",
             "--show-only",
-            "templates/webhook-configurations.yaml",
+            f"templates/{template}",
             *extra,
         ).stdout
         return out
+
+    def rendered_configurations(self, *extra: str) -> str:
+        return self.rendered("webhook-configurations.yaml", *extra)
+
+    def rendered_pod_policies(self) -> str:
+        """The chart's ValidatingAdmissionPolicy + binding (of the policy mode)."""
+        return self.rendered("pod-policies.yaml", mode="policy")
 
     def install(self) -> None:
         apply_crds(self.cluster)
         self.cluster.kubectl("create", "namespace", self.namespace)
         self.cluster.kubectl("apply", "-f", "-", input=self.rendered_configurations())
+        if self.mode == "policy":
+            self.cluster.kubectl("apply", "-f", "-", input=self.rendered_pod_policies())
         self.lead_certificates()
         self.cluster.expose_in_pod_network(
             self.namespace, self.service, port=443, target_port=self.port
@@ -142,6 +167,9 @@ class WebhookEnv:
         kubectl = self.cluster.kubectl
         kubectl("delete", "mutatingwebhookconfiguration", self.mutating, check=False)
         kubectl("delete", "validatingwebhookconfiguration", self.validating, check=False)
+        if self.mode == "policy":
+            kubectl("delete", "validatingadmissionpolicybinding", self.pod_policy, check=False)
+            kubectl("delete", "validatingadmissionpolicy", self.pod_policy, check=False)
         for name in self.networks:
             kubectl("delete", "metarocenetwork", name, "--wait=false", check=False)
         for name in self.nodes:
@@ -222,7 +250,46 @@ class WebhookEnv:
         self.networks.append(name)
         if healthy:
             self.set_healthy(name, healthy)
+        if self.mode == "policy":
+            self.apply_pod_policy(name)
         return body
+
+    def pod_policy_documents(self, name: str) -> str:
+        """The network's MutatingAdmissionPolicy + binding as the operator renders them."""
+        from metaroce_api import validate_network
+
+        live = json.loads(self.cluster.kubectl("get", c.NETWORK_PLURAL, name, "-o", "json").stdout)
+        objects = render_pod_policy(validate_network(live), RenderSettings(admission_mode="policy"))
+        return "\n---\n".join(json.dumps(o) for o in objects)
+
+    def apply_pod_policy(self, name: str) -> list[dict[str, Any]]:
+        """What the operator does in policy mode for network `name`: render its
+        MutatingAdmissionPolicy + binding from the live object (uid: the owner reference)
+        and apply them server-side under the operator's field manager."""
+        from metaroce_api import validate_network
+
+        live = json.loads(self.cluster.kubectl("get", c.NETWORK_PLURAL, name, "-o", "json").stdout)
+        objects = render_pod_policy(validate_network(live), RenderSettings(admission_mode="policy"))
+        for obj in objects:
+            self.cluster.kubectl(
+                "apply",
+                "--server-side",
+                "--force-conflicts",
+                f"--field-manager={c.FIELD_MANAGER}",
+                "-f",
+                "-",
+                input=json.dumps(obj),
+            )
+        return objects
+
+    def pod_policy_objects(self, name: str) -> list[str]:
+        """Which of the network's policy and binding exist."""
+        found = []
+        for kind in ("mutatingadmissionpolicy", "mutatingadmissionpolicybinding"):
+            proc = self.cluster.kubectl("get", kind, policy_name(name), check=False)
+            if proc.returncode == 0:
+                found.append(kind)
+        return found
 
     def set_healthy(self, name: str, healthy: int, desired: int = 2) -> None:
         status = {
@@ -246,7 +313,8 @@ class WebhookEnv:
         )
 
     def wait_cached(self, name: str) -> None:
-        """Until the replica's watch has the network (a dry-run pod tells)."""
+        """Until the replica's watch has the network, or in policy mode the apiserver
+        runs its policy (a dry-run pod tells)."""
         from kubernetes import client
         from kubernetes.client.exceptions import ApiException
 
@@ -254,12 +322,44 @@ class WebhookEnv:
 
         def admitted() -> bool:
             try:
-                core.create_namespaced_pod("default", pod_manifest("probe", name), dry_run="All")
-                return True
+                got = core.create_namespaced_pod(
+                    "default", pod_manifest("probe", name), dry_run="All"
+                )
             except ApiException:
                 return False  # not cached yet ("does not exist"), or not synced (503)
+            return bool(injected_networks(got.metadata.annotations or {}))
 
-        wait_for(f"the webhook to see network {name}", admitted, timeout=30)
+        wait_for(f"the admission of network {name}'s pods", admitted, timeout=30)
+        if self.mode == "policy":
+            self.wait_refusing()
+
+    def wait_refusing(self) -> None:
+        """Policy mode: until the chart's ValidatingAdmissionPolicy is in force (the
+        apiserver loads policies asynchronously)."""
+        from kubernetes import client
+        from kubernetes.client.exceptions import ApiException
+
+        core = client.CoreV1Api(self.api)
+
+        def refused() -> bool:
+            try:
+                core.create_namespaced_pod(
+                    "default", pod_manifest("probe", "no-such-net-probe"), dry_run="All"
+                )
+            except ApiException as exc:
+                return "does not exist" in str(exc.body)
+            return False
+
+        wait_for("the pod ValidatingAdmissionPolicy to refuse", refused, timeout=30)
+
+
+def injected_networks(annotations: dict[str, str]) -> list[str]:
+    """The networks a pod's admission recorded: the webhook's `metaroce.io/injected`, or
+    the policies' `injected.metaroce.io/<network>`."""
+    if c.INJECTED_ANNOTATION in annotations:
+        return list(json.loads(annotations[c.INJECTED_ANNOTATION]).get("networks") or [])
+    prefix = c.POLICY_INJECTED_PREFIX + "/"
+    return [k[len(prefix) :] for k in annotations if k.startswith(prefix)]
 
 
 def pod_manifest(

@@ -56,13 +56,35 @@ app.kubernetes.io/component: operator
 {{- printf "%s-networks" (include "metaroce.fullname" .) -}}
 {{- end -}}
 
+{{/*
+How annotated pods are admitted: "policy" (a MutatingAdmissionPolicy per network, rendered
+by the operator, run inside the apiserver; the chart's ValidatingAdmissionPolicy refuses)
+or "webhook" (the operator's pod webhook). admission.mode auto: policy where the cluster
+serves admissionregistration.k8s.io/v1 MutatingAdmissionPolicy (helm install/upgrade read
+the cluster's API; `helm template` needs `--api-versions
+admissionregistration.k8s.io/v1/MutatingAdmissionPolicy` to pick it), else webhook. Never
+both: the pod webhook's configuration exists only in webhook mode.
+*/}}
+{{- define "metaroce.admissionMode" -}}
+{{- if eq .Values.admission.mode "auto" -}}
+{{- if .Capabilities.APIVersions.Has "admissionregistration.k8s.io/v1/MutatingAdmissionPolicy" -}}policy{{- else -}}webhook{{- end -}}
+{{- else -}}
+{{- .Values.admission.mode -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "metaroce.podsPolicy" -}}
+{{- printf "%s-pods" (include "metaroce.fullname" .) -}}
+{{- end -}}
+
 {{/* The operator's fixed ports (operator/metaroce_operator/cli.py METRICS_PORT, HEALTH_PORT). */}}
 {{- define "metaroce.metricsPort" -}}8080{{- end -}}
 {{- define "metaroce.healthPort" -}}8081{{- end -}}
 
 {{/*
 The operator's arguments: exactly operator/metaroce_operator/cli.py chart_arguments(
-namespace, agent image, fullname, webhook port, cert-manager, allowed agent images), with
+namespace, agent image, fullname, webhook port, cert-manager, allowed agent images,
+admission mode), with
 the log level from values (tests/integration/chart checks that they agree).
 */}}
 {{- define "metaroce.operatorArgs" -}}
@@ -75,7 +97,11 @@ the log level from values (tests/integration/chart checks that they agree).
 - --webhook-port={{ .Values.webhook.port }}
 - --webhook-cert-secret={{ include "metaroce.namespace" . }}/{{ include "metaroce.certSecret" . }}
 - --webhook-service={{ include "metaroce.webhookService" . }}
+{{- if eq (include "metaroce.admissionMode" .) "policy" }}
+- --admission-mode=policy
+{{- else }}
 - --webhook-mutating-config={{ include "metaroce.podsWebhook" . }}
+{{- end }}
 - --webhook-validating-config={{ include "metaroce.networksWebhook" . }}
 {{- if .Values.webhook.certManager.enabled }}
 - --webhook-cert-manager

@@ -1,7 +1,9 @@
 """Rendering of a network's children: pure functions from (network, settings) to objects.
 
 One module per child kind (configmap, rbac, daemonset) over jinja2 templates in
-`templates/agent/`; `render_network` returns them in apply order.
+`templates/agent/`, and in `policy` admission mode the pod admission policy
+(`podpolicy`, built in code: its CEL is generated); `render_network` returns them in
+apply order.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from metaroce_api import MetaRoceNetwork
 from metaroce_operator.render.common import RenderContext, child_labels, child_name
 from metaroce_operator.render.configmap import config_generation, render_configmap
 from metaroce_operator.render.daemonset import render_daemonset
+from metaroce_operator.render.podpolicy import render_pod_policy
 from metaroce_operator.render.rbac import render_rbac
 from metaroce_operator.settings import RenderSettings
 
@@ -33,11 +36,16 @@ def render_network(
     namespace_uid: str | None = None,
 ) -> list[dict[str, Any]]:
     """The children of `network`, in apply order: ClusterRole, ServiceAccount,
-    ClusterRoleBinding, ConfigMap, DaemonSet (the ClusterRole first: with
+    ClusterRoleBinding, ConfigMap, DaemonSet, and in `policy` admission mode the
+    MutatingAdmissionPolicy and its binding (always owned by the network itself, so they
+    go with it even before its agents have reverted the nodes). The ClusterRole first: with
     `cleanupOnDelete` it owns the others, see `common.anchor_references`, whose
     `anchor_uid` is its uid, and `namespace_uid` that of the agents' namespace, which
-    owns it; the DaemonSet last, so its pods find the rest).
+    owns it; the DaemonSet after the agents' RBAC and config, so its pods find them).
     `config_generation`: see `render.configmap.config_generation`."""
     ctx = RenderContext.build(network, settings, config_generation, anchor_uid, namespace_uid)
     account, role, binding = render_rbac(ctx)
-    return [role, account, binding, render_configmap(ctx), render_daemonset(ctx)]
+    children = [role, account, binding, render_configmap(ctx), render_daemonset(ctx)]
+    if settings.admission_mode == "policy":
+        children += render_pod_policy(network, settings)
+    return children

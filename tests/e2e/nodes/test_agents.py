@@ -448,7 +448,13 @@ def _pods_move_rdma_traffic(kube: Kube, figures: list[str], repeat: int) -> None
         ctr = pod["spec"]["containers"][0]
         assert ctr["resources"]["limits"][RESOURCE] == "1", ctr["resources"]
         assert "IPC_LOCK" in ctr["securityContext"]["capabilities"]["add"], ctr
-        assert constants.INJECTED_ANNOTATION in pod["metadata"]["annotations"]
+        # the record of the pod webhook, or of the network's admission policy (the chart's
+        # policy mode, where the cluster serves MutatingAdmissionPolicy)
+        annotations = pod["metadata"]["annotations"]
+        assert (
+            constants.INJECTED_ANNOTATION in annotations
+            or f"{constants.POLICY_INJECTED_PREFIX}/{NETWORK}" in annotations
+        ), annotations
         devs = pods.exec(name, "ls", "/dev/infiniband").split()
         assert "rdma_cm" in devs and any(d.startswith("uverbs") for d in devs), devs
         cap_eff = int(pods.exec(name, "awk", "/CapEff/ {print $2}", "/proc/1/status"), 16)

@@ -61,13 +61,20 @@ def test_helm_lint_is_clean(cluster: LocalCluster, values: dict[str, Any]) -> No
 @pytest.mark.parametrize(
     ("values", "expected"),
     [
-        ({}, chart_arguments("metaroce-system", agent_image(), "metaroce", 8443, False)),
+        # This cluster serves MutatingAdmissionPolicy v1: auto picks the policy mode.
+        (
+            {},
+            chart_arguments(
+                "metaroce-system", agent_image(), "metaroce", 8443, False, admission_mode="policy"
+            ),
+        ),
         (
             {
                 "namespace": {"name": "rdma-ops"},
                 "agent": {"image": {"tag": "1.2.3"}},
                 "webhook": {"port": 9443, "certManager": {"enabled": True}},
                 "operator": {"logLevel": "debug"},
+                "admission": {"mode": "webhook"},
             },
             [
                 "--log-level=debug" if a == "--log-level=info" else a
@@ -365,7 +372,15 @@ def test_install_makes_crds_webhooks_and_rbac(cluster: LocalCluster, release: Re
         "wait", "--for=condition=Established", "--timeout=60s",
         f"crd/{c.NETWORK_CRD_NAME}", f"crd/{c.NODESTATE_CRD_NAME}",
     )  # fmt: skip
-    cluster.kubectl("get", "mutatingwebhookconfiguration", f"{release.fullname}-pods")
+    # The cluster serves MutatingAdmissionPolicy: helm install picked the policy mode, so
+    # the pods' refusals are the chart's ValidatingAdmissionPolicy and no pod webhook is
+    # configured (never both).
+    cluster.kubectl("get", "validatingadmissionpolicy", f"{release.fullname}-pods")
+    cluster.kubectl("get", "validatingadmissionpolicybinding", f"{release.fullname}-pods")
+    proc = cluster.kubectl(
+        "get", "mutatingwebhookconfiguration", f"{release.fullname}-pods", check=False
+    )
+    assert proc.returncode != 0 and "NotFound" in proc.stderr
     cluster.kubectl("get", "validatingwebhookconfiguration", f"{release.fullname}-networks")
     ns = json.loads(cluster.kubectl("get", "namespace", release.namespace, "-o", "json").stdout)
     assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
@@ -376,6 +391,9 @@ def test_install_makes_crds_webhooks_and_rbac(cluster: LocalCluster, release: Re
     assert release.can(sa, "create", "daemonsets.apps", "-n", own)
     assert release.can(sa, "update", "leases.coordination.k8s.io/metaroce-operator", "-n", own)
     assert release.can(sa, "get", f"secrets/{release.fullname}-webhook-tls", "-n", own)
+    assert release.can(sa, "create", "mutatingadmissionpolicies.admissionregistration.k8s.io")
+    assert release.can(sa, "patch", "mutatingadmissionpolicybindings.admissionregistration.k8s.io")
+    assert not release.can(sa, "create", "validatingadmissionpolicies.admissionregistration.k8s.io")
     # Least privilege: nothing outside what the code calls.
     assert not release.can(sa, "get", "secrets", "-n", "default")
     assert not release.can(sa, "get", "secrets", "-n", "kube-system")
@@ -397,8 +415,8 @@ def test_operator_with_chart_credentials_reconciles_the_sample(
 
         # The leader issues the webhook certificate and writes the caBundles.
         def ca_bundles() -> bool:
-            for kind, name in (("mutatingwebhookconfiguration", "pods"),
-                               ("validatingwebhookconfiguration", "networks")):  # fmt: skip
+            # (policy mode: the pod webhook has no configuration, only the networks')
+            for kind, name in (("validatingwebhookconfiguration", "networks"),):
                 obj = json.loads(cluster.kubectl(
                     "get", kind, f"{release.fullname}-{name}", "-o", "json").stdout)  # fmt: skip
                 if not all(w["clientConfig"].get("caBundle") for w in obj["webhooks"]):
@@ -428,6 +446,12 @@ def test_operator_with_chart_credentials_reconciles_the_sample(
 
         st = wait_for("the network's status", status, timeout=90)
         assert {cond["type"] for cond in st["conditions"]} >= {"Ready", c.CONDITION_DEGRADED}
+        # Policy mode: the operator rendered the network's pod admission policy.
+        for kind in ("mutatingadmissionpolicy", "mutatingadmissionpolicybinding"):
+            policy = json.loads(
+                cluster.kubectl("get", kind, f"metaroce-pods-{name}", "-o", "json").stdout
+            )
+            assert policy["metadata"]["ownerReferences"][0]["name"] == name
         # The agents' RBAC as rendered by the operator: no Pods, no Secrets.
         agent = f"system:serviceaccount:{ns}:{child_name(name)}"
         assert release.can(agent, "create", "metarocenodestates.metaroce.io")

@@ -1,0 +1,153 @@
+"""The pod admission policy of a network (policy admission mode): what is rendered.
+
+The CEL itself runs only in the apiserver: the shared admission cases run through it in
+tests/integration/test_pod_admission_modes.py. Here: the objects, their ownership, the
+literals taken from the network, and the settings and flags that pick the mode."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from operator_testlib import network
+
+from metaroce_api import constants as c
+from metaroce_operator.cli import chart_arguments, settings_from_args
+from metaroce_operator.render import render_network
+from metaroce_operator.render.podpolicy import (
+    forbidden_expression,
+    lit,
+    match_conditions,
+    pod_policy_variables,
+    policy_name,
+    record_key,
+    render_pod_policy,
+)
+from metaroce_operator.settings import RenderSettings, SettingsError
+
+POLICY = RenderSettings(
+    namespace="metaroce-system", agent_image="example.com/agent:v1", admission_mode="policy"
+)
+
+
+def test_webhook_mode_renders_no_policy(settings: RenderSettings) -> None:
+    kinds = [o["kind"] for o in render_network(network("fabric"), settings)]
+    assert "MutatingAdmissionPolicy" not in kinds
+
+
+def test_policy_mode_renders_the_policy_and_binding_last_owned_by_the_network() -> None:
+    objs = render_network(network("fabric", cleanupOnDelete=True), POLICY)
+    policy, binding = objs[-2:]
+    assert [policy["kind"], binding["kind"]] == [
+        "MutatingAdmissionPolicy",
+        "MutatingAdmissionPolicyBinding",
+    ]
+    for obj in (policy, binding):
+        assert obj["apiVersion"] == "admissionregistration.k8s.io/v1"
+        assert obj["metadata"]["name"] == "metaroce-pods-fabric"
+        assert obj["metadata"]["labels"][c.NETWORK_LABEL] == "fabric"
+        # Owned by the network itself even with cleanupOnDelete (whose other children the
+        # agents' ClusterRole owns): a deleted network's pods must lose their policy at once.
+        (ref,) = obj["metadata"]["ownerReferences"]
+        assert (ref["kind"], ref["name"], ref["uid"]) == (c.NETWORK_KIND, "fabric", "uid-1")
+    assert binding["spec"] == {"policyName": "metaroce-pods-fabric"}
+    spec = policy["spec"]
+    assert spec["failurePolicy"] == "Fail" and spec["reinvocationPolicy"] == "Never"
+    rule = spec["matchConstraints"]["resourceRules"][0]
+    assert rule["resources"] == ["pods"] and rule["operations"] == ["CREATE"]
+    assert [m["patchType"] for m in spec["mutations"]] == ["JSONPatch"]
+
+
+def test_offline_rendering_has_no_owner_reference() -> None:
+    policy, binding = render_pod_policy(network("fabric", uid=""), POLICY)
+    assert "ownerReferences" not in policy["metadata"]
+    assert "ownerReferences" not in binding["metadata"]
+
+
+def test_the_network_s_values_are_literals_of_the_policy() -> None:
+    net = network(
+        "fabric",
+        qos={"data": {"dscp": 46}},
+        transport={"qpsPerConnection": 4, "roce": {"gidIndex": 3}},
+        attachment={
+            "resourceName": "example.com/fab",
+            "socketInterface": "eth1",
+            "ncclEnv": ["NCCL_IB_TC", "NCCL_SOCKET_IFNAME", "NCCL_IB_GID_INDEX", "NCCL_IB_HCA"],
+        },
+    )
+    policy, _ = render_pod_policy(net, POLICY)
+    variables = {v["name"]: v["expression"] for v in policy["spec"]["variables"]}
+    assert variables["env"] == (
+        "{'NCCL_IB_TC': '184', 'NCCL_SOCKET_IFNAME': 'eth1', 'NCCL_IB_GID_INDEX': '3'}"
+    )
+    assert variables["keys"] == "['NCCL_IB_TC', 'NCCL_SOCKET_IFNAME', 'NCCL_IB_GID_INDEX']"
+    assert "'example.com/fab' in c.resources.requests" in variables["holds"]
+    patch = policy["spec"]["mutations"][0]["jsonPatch"]["expression"]
+    assert patch.startswith("!variables.active ? [] : ")
+    assert "jsonpatch.escapeKey('example.com/fab')" in patch
+    assert "jsonpatch.escapeKey('injected.metaroce.io/fabric')" in patch
+
+
+def test_match_condition_selects_the_network_and_guards_reinvocation() -> None:
+    (cond,) = match_conditions("fabric")
+    text = cond["expression"]
+    assert "!('injected.metaroce.io/fabric' in object.metadata.annotations)" in text
+    assert ".replace(' ', '') + ',').contains(',fabric,')" in text
+    # The cheap tests first: && stops at the first false for the pods of other networks.
+    assert (
+        text.index("has(object.metadata.annotations)")
+        < text.index("injected")
+        < text.index("contains")
+    )
+    assert record_key("fabric") == "injected.metaroce.io/fabric"
+
+
+def test_variables_are_declared_before_use() -> None:
+    variables = pod_policy_variables("n", "metaroce.io/n", {"NCCL_IB_TC": "104"}, "false")
+    seen: set[str] = set()
+    for var in variables:
+        used = {
+            name
+            for name in (v["name"] for v in variables)
+            if re.search(rf"variables\.{name}\b", var["expression"])
+        }
+        assert used <= seen, f"{var['name']} uses {used - seen} before it is declared"
+        seen.add(var["name"])
+
+
+def test_pod_security_expression() -> None:
+    assert forbidden_expression(False, "baseline") == "false"
+    text = forbidden_expression(True, "baseline")
+    assert ": 'baseline') in ['baseline', 'restricted']" in text
+
+
+def test_literals_refuse_characters_that_would_need_escaping() -> None:
+    assert lit("eth0") == "'eth0'"
+    with pytest.raises(ValueError, match="unusual characters"):
+        lit("it's")
+
+
+def test_rendering_is_deterministic() -> None:
+    one = json.dumps(render_pod_policy(network("fabric"), POLICY), sort_keys=True)
+    two = json.dumps(render_pod_policy(network("fabric"), POLICY), sort_keys=True)
+    assert one == two
+
+
+def test_long_network_names_fit() -> None:
+    name = "n" * 63
+    assert len(policy_name(name)) <= 63
+
+
+def test_admission_mode_flag_and_chart_arguments() -> None:
+    args = chart_arguments("ns", "example.com/a:v1", admission_mode="policy")
+    assert "--admission-mode=policy" in args
+    assert not any(a.startswith("--webhook-mutating-config") for a in args)
+    s = settings_from_args(args)
+    assert s.render.admission_mode == "policy"
+    assert s.webhook.mutating_config is None and s.webhook.validating_config
+    assert settings_from_args([]).render.admission_mode == "webhook"
+    with pytest.raises(SettingsError, match="--admission-mode='both'"):
+        settings_from_args(["--admission-mode=both"])
+    with pytest.raises(SettingsError, match="--pod-security-default='lax'"):
+        settings_from_args(["--pod-security-default=lax"])
