@@ -67,6 +67,7 @@ if [[ -f $extra_file ]]; then
   while read -r tier test; do
     [[ -z ${tier:-} || $tier == \#* ]] && continue
     if [[ $tier == unit ]]; then unit_tests+=("$test"); else integration_tests+=("$test"); fi
+    files+=("${test%%::*}")
   done <"$extra_file"
 fi
 tests=("${unit_tests[@]}")

@@ -39,6 +39,7 @@ from metaroce_operator.conflicts import (
     selector_matches,
 )
 from metaroce_operator.drift import daemonset_drift, rbac_drift
+from metaroce_operator.freshness import NetworkBodies
 from metaroce_operator.images import image_refusal
 from metaroce_operator.informer import Informer
 from metaroce_operator.kube import KINDS, ApiError, Kube, NotLeader
@@ -98,18 +99,12 @@ class Applied:
     config_hash: str
 
 
-def _rv(body: dict[str, Any]) -> int:
-    try:
-        return int((body.get("metadata") or {}).get("resourceVersion") or 0)
-    except ValueError:
-        return 0
-
-
 class Store:
     """What the leader knows, reduced to what it needs."""
 
     def __init__(self) -> None:
-        self.networks: dict[str, dict[str, Any]] = {}
+        self.bodies = NetworkBodies()
+        self.networks: dict[str, dict[str, Any]] = self.bodies.bodies
         self.reports: dict[str, dict[str, NodeReport]] = defaultdict(dict)
         self.report_keys: dict[str, tuple[str, str]] = {}
         self.daemonsets: dict[str, DaemonSetView] = {}
@@ -127,18 +122,21 @@ class Store:
         """network -> kind -> the child last applied (what drift is judged against)."""
 
     def set_network(self, body: dict[str, Any]) -> bool:
-        """Keep the newest body; an event older than our own write's response is ignored
-        (resourceVersions are etcd revisions here; the watch delivers them in order)."""
-        name = body["metadata"]["name"]
-        old = self.networks.get(name)
-        if old is not None and 0 < _rv(body) < _rv(old):
-            return False
-        self.networks[name] = body
-        return True
+        """Keep the newest body (see `freshness`: resourceVersions are never compared)."""
+        return self.bodies.from_watch(body)
+
+    def wrote_status(self, body: dict[str, Any]) -> None:
+        """Keep the response of the leader's own status write."""
+        self.bodies.from_write(body)
+
+    def status_of(self, name: str) -> dict[str, Any] | None:
+        """The network's status as the leader last knows it (its own write until the
+        watch echoes it)."""
+        return self.bodies.status(name)
 
     def forget_network(self, name: str) -> None:
+        self.bodies.forget(name)
         for table in (
-            self.networks,
             self.daemonsets,
             self.applied,
             self.errors,
@@ -294,8 +292,7 @@ class Controller:
             return False
         if len(reports) < desired:  # the common case during a rollout: O(1)
             return False
-        body = self.store.networks.get(name) or {}
-        shown = (body.get("status") or {}).get("nodes") or {}
+        shown = (self.store.status_of(name) or {}).get("nodes") or {}
         if int(shown.get("configured") or 0) + int(shown.get("failed") or 0) >= desired:
             return False
         return rollout_settled(reports, applied.config_generation, desired, eligible)
@@ -550,7 +547,7 @@ class Controller:
         error = self.store.errors.get(name)
         if applied is None and error is None and name not in self.store.held:
             return  # not reconciled in this term yet: a status from nothing would flap
-        previous = parse_status(body.get("status"))
+        previous = parse_status(self.store.status_of(name))
         generation = int(body["metadata"].get("generation") or 0)
         try:
             network = validate_network(body)
@@ -612,7 +609,7 @@ class Controller:
             if err.status == 404:
                 return  # deleted meanwhile
             raise
-        self.store.set_network(result)
+        self.store.wrote_status(result)
         metrics.STATUS_WRITES.labels(network=name).inc()
         for spec in transition_events(previous, new):
             await events.post(self.kube, body, spec, self.settings.identity)
@@ -646,7 +643,7 @@ class Controller:
         except InvalidObject:
             network = None
         if network is not None and (view.pending or view.timed_out):
-            previous = parse_status(body.get("status"))
+            previous = parse_status(self.store.status_of(name))
             observed = self._observed(
                 name, network, self.store.applied.get(name), None, cleanup_view=view
             )
