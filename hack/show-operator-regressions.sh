@@ -19,6 +19,7 @@ py=$repo/.venv/bin/python
 
 files=(
   tests/unit/webhooks/test_webhooks_server.py
+  tests/unit/webhooks/flood_server.py
   tests/unit/webhooks/test_webhooks_mutate.py
   tests/unit/webhooks/test_webhooks_validate.py
   tests/unit/operator/test_taints.py
