@@ -57,6 +57,7 @@ def chart_arguments(
     args = [
         f"--namespace={namespace}",
         f"--agent-image={agent_image}",
+        f"--agent-cluster-role={fullname}-agent",
         f"--metrics-port={METRICS_PORT}",
         f"--health-port={HEALTH_PORT}",
         "--log-level=info",
@@ -117,6 +118,14 @@ def _operator_parser() -> argparse.ArgumentParser:
         help="an image a network may set in spec.agent.image, besides --agent-image "
         "(repeatable; exact references, by digest where you can): the agents run "
         "privileged on the nodes, so no other image is run (the chart's agent.allowedImages)",
+    )
+    p.add_argument(
+        "--agent-cluster-role",
+        default=None,
+        metavar="NAME",
+        help="the agents' ClusterRole (the chart's <fullname>-agent): each network's "
+        "ClusterRoleBinding names it, so the operator needs only `bind` on it. Without it, "
+        "a ClusterRole per network, which needs write access to ClusterRoles",
     )
     p.add_argument(
         "--identity", default=None, help="name in the lease (default: POD_NAME, else host-pid)"
@@ -194,6 +203,7 @@ def settings_from_args(argv: Sequence[str]) -> OperatorSettings:
         namespace=args.namespace,
         agent_image=args.agent_image,
         extra_agent_images=tuple(args.allowed_agent_image),
+        agent_cluster_role=args.agent_cluster_role,
     )
     return OperatorSettings(
         render=render,

@@ -51,7 +51,7 @@ from metaroce_operator.observed import (
     parse_time,
 )
 from metaroce_operator.render import config_generation, render_network
-from metaroce_operator.render.common import agent_config, child_name, config_hash
+from metaroce_operator.render.common import agent_config, anchor_kind, child_name, config_hash
 from metaroce_operator.settings import OperatorSettings
 from metaroce_operator.status import (
     CONFIGURED_PHASES,
@@ -73,6 +73,7 @@ NETWORK = KINDS[(c.API_VERSION, c.NETWORK_KIND)]
 NODESTATE = KINDS[(c.API_VERSION, c.NODESTATE_KIND)]
 CONFIGMAP = KINDS[("v1", "ConfigMap")]
 CLUSTERROLE = KINDS[("rbac.authorization.k8s.io/v1", "ClusterRole")]
+CLUSTERROLEBINDING = KINDS[("rbac.authorization.k8s.io/v1", "ClusterRoleBinding")]
 NAMESPACE = KINDS[("v1", "Namespace")]
 NODE = KINDS[("v1", "Node")]
 OS_LABEL = "kubernetes.io/os"
@@ -425,7 +426,8 @@ class Controller:
             await cleanup.set_finalizer(self.kube, name, True, c.FIELD_MANAGER)
         children = render_network(network, self.settings.render, config_generation=config_gen)
         if network.spec.cleanup_on_delete and network.metadata.uid:
-            # The ClusterRole owns the other children and the namespace owns it (see
+            # The anchor (the ClusterRole, or the ClusterRoleBinding with the chart's shared
+            # ClusterRole) owns the other children and the namespace owns it (see
             # render.common.anchor_references): apply it first, then the rest with its uid.
             ns = await self.kube.get_or_none(NAMESPACE, namespace)
             ns_uid = str(((ns or {}).get("metadata") or {}).get("uid") or "") or None
@@ -661,10 +663,16 @@ class Controller:
             )
         else:
             log.info("%s: every node reported its settings reverted; releasing", name)
-        # The agents go now (the ClusterRole owns the other children, see
+        # The agents go now (the anchor owns the other children, see
         # render.common.anchor_references), then the network.
-        if await self.kube.delete(CLUSTERROLE, child_name(name)):
-            log.info("%s: deleted its agents' ClusterRole; the rest is garbage-collected", name)
+        shared = self.settings.render.agent_cluster_role is not None
+        anchor = CLUSTERROLEBINDING if shared else CLUSTERROLE
+        if await self.kube.delete(anchor, child_name(name)):
+            log.info(
+                "%s: deleted its agents' %s; the rest is garbage-collected",
+                name,
+                anchor_kind(self.settings.render),
+            )
         await cleanup.set_finalizer(self.kube, name, False, c.FIELD_MANAGER)
 
     def _recheck_at(self, name: str, delay: float) -> None:

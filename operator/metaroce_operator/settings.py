@@ -97,9 +97,22 @@ class RenderSettings:
     """Image when the network does not set `spec.agent.image`."""
     extra_agent_images: tuple[str, ...] = ()
     """Further images a network may set in `spec.agent.image` (`--allowed-agent-image`)."""
+    agent_cluster_role: str | None = None
+    """The agents' ClusterRole the chart ships (`--agent-cluster-role`): each network's
+    ClusterRoleBinding names it, and the operator needs `bind` on it only, never write
+    access to ClusterRoles. None: a ClusterRole per network (the operator holds the
+    agents' rules; for running without the chart)."""
 
     def __post_init__(self) -> None:
         check_namespace("--namespace", self.namespace)
+        if self.agent_cluster_role is not None and not _DNS_SUBDOMAIN.match(
+            self.agent_cluster_role
+        ):
+            raise SettingsError(
+                "--agent-cluster-role",
+                self.agent_cluster_role,
+                "name the agents' ClusterRole of the chart (<fullname>-agent), a DNS subdomain",
+            )
         check_image("--agent-image", self.agent_image)
         for image in self.extra_agent_images:
             check_image("--allowed-agent-image", image)

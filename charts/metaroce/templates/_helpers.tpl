@@ -69,6 +69,7 @@ the log level from values (tests/integration/chart checks that they agree).
 {{- $fullname := include "metaroce.fullname" . -}}
 - --namespace={{ include "metaroce.namespace" . }}
 - --agent-image={{ include "metaroce.agentImage" . }}
+- --agent-cluster-role={{ $fullname }}-agent
 - --metrics-port={{ include "metaroce.metricsPort" . }}
 - --health-port={{ include "metaroce.healthPort" . }}
 - --log-level={{ .Values.operator.logLevel }}

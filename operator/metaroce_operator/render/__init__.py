@@ -36,8 +36,14 @@ def render_network(
     ClusterRoleBinding, ConfigMap, DaemonSet (the ClusterRole first: with
     `cleanupOnDelete` it owns the others, see `common.anchor_references`, whose
     `anchor_uid` is its uid, and `namespace_uid` that of the agents' namespace, which
-    owns it; the DaemonSet last, so its pods find the rest).
+    owns it; the DaemonSet last, so its pods find the rest). With the chart's shared
+    agents' ClusterRole there is none, and the ClusterRoleBinding comes first, as the
+    anchor: ClusterRoleBinding, ServiceAccount, ConfigMap, DaemonSet.
     `config_generation`: see `render.configmap.config_generation`."""
     ctx = RenderContext.build(network, settings, config_generation, anchor_uid, namespace_uid)
-    account, role, binding = render_rbac(ctx)
+    rbac = render_rbac(ctx)
+    if len(rbac) == 2:
+        account, binding = rbac
+        return [binding, account, render_configmap(ctx), render_daemonset(ctx)]
+    account, role, binding = rbac
     return [role, account, binding, render_configmap(ctx), render_daemonset(ctx)]

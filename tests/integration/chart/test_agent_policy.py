@@ -60,7 +60,11 @@ def test_an_agent_writes_only_its_own_node_s_nodestate(
             "agent": {"nodeStatePolicy": {"enabled": True}},
         },
     )
-    policy = [d for d in docs if d["kind"] in POLICY_KINDS]
+    policy = [
+        d
+        for d in docs
+        if d["kind"] in POLICY_KINDS and d["metadata"]["name"].endswith("-agent-nodestates")
+    ]
     assert [d["kind"] for d in policy] == list(POLICY_KINDS), "the chart ships no agent policy"
     network, other = f"pol{tag}", f"other{tag}"
     account = child_name(network)
