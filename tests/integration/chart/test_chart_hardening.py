@@ -4,9 +4,13 @@ policy is checked for what it says and that the apiserver accepts it)."""
 
 from __future__ import annotations
 
+import base64
+import json
+import secrets
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from metaroce_harness import chart
@@ -65,3 +69,59 @@ def test_network_policy_needs_the_apiserver_addresses_issue_16_14(
     )  # fmt: skip
     assert proc.returncode != 0
     assert "networkPolicy.apiserverCIDRs is empty" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_the_disruption_budget_never_blocks_a_drain_issue_16_16(
+    cluster: LocalCluster, replicas: int
+) -> None:
+    """`minAvailable: 1` with one replica forbids every eviction; one at a time at most."""
+    docs = chart.render(cluster, "pdb", {"operator": {"replicas": replicas}})
+    spec = chart.find(docs, "PodDisruptionBudget")["spec"]
+    assert "minAvailable" not in spec
+    assert spec["maxUnavailable"] == 1
+
+
+def test_the_ca_bundle_is_never_rendered_issue_16_16(cluster: LocalCluster, namespace: str) -> None:
+    """The leader (or cert-manager) owns caBundle: a rendered one (looked up from the live
+    object) is empty under `helm template` and fights Argo CD's self-heal."""
+    release = f"metaroce-ca-{secrets.token_hex(3)}"
+    live = {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "MutatingWebhookConfiguration",
+        "metadata": {"name": f"{release}-pods"},
+        "webhooks": [
+            {
+                "name": "pods.metaroce.io",
+                "admissionReviewVersions": ["v1"],
+                "sideEffects": "None",
+                "objectSelector": {"matchLabels": {"never": secrets.token_hex(4)}},
+                "clientConfig": {
+                    "service": {"namespace": namespace, "name": "none", "path": "/x"},
+                    "caBundle": base64.b64encode(b"not a CA").decode(),
+                },
+                "rules": [
+                    {
+                        "apiGroups": [""],
+                        "apiVersions": ["v1"],
+                        "operations": ["CREATE"],
+                        "resources": ["pods"],
+                    }
+                ],
+            }
+        ],
+    }
+    cluster.kubectl("create", "-f", "-", input=json.dumps(live))
+    try:
+        values = {"namespace": {"name": namespace, "create": False}}
+        docs = chart.render(cluster, release, values, "--dry-run=server")
+        hooks = [
+            hook
+            for d in docs
+            if d["kind"].endswith("WebhookConfiguration")
+            for hook in d.get("webhooks") or []
+        ]
+        assert hooks
+        assert not [h["name"] for h in hooks if "caBundle" in h["clientConfig"]]
+    finally:
+        cluster.kubectl("delete", "mutatingwebhookconfiguration", f"{release}-pods", check=False)
