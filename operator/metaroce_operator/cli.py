@@ -46,6 +46,7 @@ def chart_arguments(
     webhook_port: int = WEBHOOK_PORT,
     cert_manager: bool = False,
     allowed_agent_images: Sequence[str] = (),
+    image_pull_secrets: Sequence[str] = (),
 ) -> list[str]:
     """The arguments the Helm chart passes to `metaroce operator`.
 
@@ -72,6 +73,7 @@ def chart_arguments(
     if cert_manager:
         args.append("--webhook-cert-manager")
     args += [f"--allowed-agent-image={image}" for image in allowed_agent_images]
+    args += [f"--agent-image-pull-secret={name}" for name in image_pull_secrets]
     return args
 
 
@@ -118,6 +120,14 @@ def _operator_parser() -> argparse.ArgumentParser:
         help="an image a network may set in spec.agent.image, besides --agent-image "
         "(repeatable; exact references, by digest where you can): the agents run "
         "privileged on the nodes, so no other image is run (the chart's agent.allowedImages)",
+    )
+    p.add_argument(
+        "--agent-image-pull-secret",
+        action="append",
+        default=[],
+        metavar="SECRET",
+        help="a Secret in the agents' namespace the agent pods pull their image with "
+        "(repeatable; the chart's imagePullSecrets)",
     )
     p.add_argument(
         "--agent-cluster-role",
@@ -204,6 +214,7 @@ def settings_from_args(argv: Sequence[str]) -> OperatorSettings:
         agent_image=args.agent_image,
         extra_agent_images=tuple(args.allowed_agent_image),
         agent_cluster_role=args.agent_cluster_role,
+        agent_image_pull_secrets=tuple(args.agent_image_pull_secret),
     )
     return OperatorSettings(
         render=render,

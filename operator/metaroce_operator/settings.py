@@ -103,8 +103,20 @@ class RenderSettings:
     access to ClusterRoles. None: a ClusterRole per network (the operator holds the
     agents' rules; for running without the chart)."""
 
+    agent_image_pull_secrets: tuple[str, ...] = ()
+    """Secrets in the agents' namespace the agent pods pull with (the chart's
+    imagePullSecrets, `--agent-image-pull-secret`)."""
+
     def __post_init__(self) -> None:
         check_namespace("--namespace", self.namespace)
+        for secret in self.agent_image_pull_secrets:
+            if not _DNS_SUBDOMAIN.match(secret):
+                raise SettingsError(
+                    "--agent-image-pull-secret",
+                    secret,
+                    "name a Secret of type kubernetes.io/dockerconfigjson in the agents' "
+                    "namespace (a DNS subdomain)",
+                )
         if self.agent_cluster_role is not None and not _DNS_SUBDOMAIN.match(
             self.agent_cluster_role
         ):

@@ -62,7 +62,8 @@ app.kubernetes.io/component: operator
 
 {{/*
 The operator's arguments: exactly operator/metaroce_operator/cli.py chart_arguments(
-namespace, agent image, fullname, webhook port, cert-manager, allowed agent images), with
+namespace, agent image, fullname, webhook port, cert-manager, allowed agent images,
+image pull secrets), with
 the log level from values (tests/integration/chart checks that they agree).
 */}}
 {{- define "metaroce.operatorArgs" -}}
@@ -83,5 +84,8 @@ the log level from values (tests/integration/chart checks that they agree).
 {{- end }}
 {{- range .Values.agent.allowedImages }}
 - --allowed-agent-image={{ . }}
+{{- end }}
+{{- range .Values.imagePullSecrets }}
+- --agent-image-pull-secret={{ .name }}
 {{- end }}
 {{- end -}}

@@ -125,3 +125,10 @@ def test_the_ca_bundle_is_never_rendered_issue_16_16(cluster: LocalCluster, name
         assert not [h["name"] for h in hooks if "caBundle" in h["clientConfig"]]
     finally:
         cluster.kubectl("delete", "mutatingwebhookconfiguration", f"{release}-pods", check=False)
+
+
+def test_agents_get_the_chart_s_image_pull_secrets_issue_16_15(cluster: LocalCluster) -> None:
+    docs = chart.render(cluster, "pull", {"imagePullSecrets": [{"name": "regcred"}]})
+    assert "--agent-image-pull-secret=regcred" in chart.operator_args(docs)
+    pod = chart.find(docs, "Deployment")["spec"]["template"]["spec"]
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}]
