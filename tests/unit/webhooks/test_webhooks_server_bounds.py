@@ -47,14 +47,14 @@ def test_a_flood_of_idle_connections_does_not_block_admission(tmp_path: Path) ->
         handshaked = 0
         for _ in range(cap + 200):
             try:
-                flood.append(_tls(port, bundle.ca_bundle, timeout=0.5))
+                flood.append(_tls(port, bundle.ca_bundle, timeout=2))
                 handshaked += 1
             except (OSError, ssl.SSLError):
                 break
         for _ in range(100):
             with_tcp = socket.create_connection(("127.0.0.1", port), timeout=1)
             flood.append(with_tcp)
-        assert handshaked >= cap // 2, handshaked
+        assert handshaked >= 64, handshaked
         started = time.monotonic()
         ctx = ssl.create_default_context(cadata=bundle.ca_bundle.decode())
         conn = http.client.HTTPSConnection("127.0.0.1", port, context=ctx, timeout=8)
