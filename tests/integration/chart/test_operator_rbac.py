@@ -148,13 +148,24 @@ def test_the_operator_changes_only_its_own_taints_on_nodes_issue_16_13(
     inst = installed
     _policy_ready(inst)
     taint = {"key": "metaroce.io/rdma-unhealthy", "value": "net", "effect": "NoSchedule"}
-    ok, err = inst.as_operator(
-        "patch", "node", inst.node, "--type=merge", "-p", json.dumps({"spec": {"taints": [taint]}})
-    )
+
+    def write_taints(taints: list[dict[str, Any]]) -> tuple[bool, str]:
+        # As taints.py does: the node's other taints (the node lifecycle controller's
+        # not-ready ones on this kubelet-less Node) are kept, under its resourceVersion.
+        node = json.loads(inst.cluster.kubectl("get", "node", inst.node, "-o", "json").stdout)
+        others = [t for t in node["spec"].get("taints") or [] if t["key"] != taint["key"]]
+        patch = {
+            "metadata": {"resourceVersion": node["metadata"]["resourceVersion"]},
+            "spec": {"taints": others + taints},
+        }
+        return inst.as_operator("patch", "node", inst.node, "--type=merge", "-p", json.dumps(patch))
+
+    for _ in range(5):  # a controller may update the Node between the read and the patch
+        ok, err = write_taints([taint])
+        if ok or "modified" not in err:
+            break
     assert ok, err
-    ok, err = inst.as_operator(
-        "patch", "node", inst.node, "--type=merge", "-p", json.dumps({"spec": {"taints": []}})
-    )
+    ok, err = write_taints([])
     assert ok, err
     for patch in (
         {"metadata": {"labels": {"node-role.kubernetes.io/control-plane": ""}}},
