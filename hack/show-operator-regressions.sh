@@ -19,6 +19,7 @@ py=$repo/.venv/bin/python
 
 files=(
   tests/unit/webhooks/test_webhooks_server.py
+  tests/unit/webhooks/flood_server.py
   tests/unit/webhooks/test_webhooks_mutate.py
   tests/unit/webhooks/test_webhooks_validate.py
   tests/unit/operator/test_taints.py
@@ -67,6 +68,7 @@ if [[ -f $extra_file ]]; then
   while read -r tier test; do
     [[ -z ${tier:-} || $tier == \#* ]] && continue
     if [[ $tier == unit ]]; then unit_tests+=("$test"); else integration_tests+=("$test"); fi
+    files+=("${test%%::*}")
   done <"$extra_file"
 fi
 tests=("${unit_tests[@]}")

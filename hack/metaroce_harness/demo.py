@@ -118,7 +118,7 @@ class Demo:
             ),
             60,
         )
-        done(t, "DaemonSet, ConfigMap, ServiceAccount and ClusterRole rendered")
+        done(t, "DaemonSet, ConfigMap, ServiceAccount and ClusterRoleBinding rendered")
 
     def start_agents(self, guests: GuestCluster) -> None:
         t = step(

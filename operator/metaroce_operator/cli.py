@@ -47,6 +47,7 @@ def chart_arguments(
     cert_manager: bool = False,
     allowed_agent_images: Sequence[str] = (),
     admission_mode: str = "webhook",
+    image_pull_secrets: Sequence[str] = (),
 ) -> list[str]:
     """The arguments the Helm chart passes to `metaroce operator`.
 
@@ -58,6 +59,7 @@ def chart_arguments(
     args = [
         f"--namespace={namespace}",
         f"--agent-image={agent_image}",
+        f"--agent-cluster-role={fullname}-agent",
         f"--metrics-port={METRICS_PORT}",
         f"--health-port={HEALTH_PORT}",
         "--log-level=info",
@@ -79,6 +81,7 @@ def chart_arguments(
     if cert_manager:
         args.append("--webhook-cert-manager")
     args += [f"--allowed-agent-image={image}" for image in allowed_agent_images]
+    args += [f"--agent-image-pull-secret={name}" for name in image_pull_secrets]
     return args
 
 
@@ -125,6 +128,22 @@ def _operator_parser() -> argparse.ArgumentParser:
         help="an image a network may set in spec.agent.image, besides --agent-image "
         "(repeatable; exact references, by digest where you can): the agents run "
         "privileged on the nodes, so no other image is run (the chart's agent.allowedImages)",
+    )
+    p.add_argument(
+        "--agent-image-pull-secret",
+        action="append",
+        default=[],
+        metavar="SECRET",
+        help="a Secret in the agents' namespace the agent pods pull their image with "
+        "(repeatable; the chart's imagePullSecrets)",
+    )
+    p.add_argument(
+        "--agent-cluster-role",
+        default=None,
+        metavar="NAME",
+        help="the agents' ClusterRole (the chart's <fullname>-agent): each network's "
+        "ClusterRoleBinding names it, so the operator needs only `bind` on it. Without it, "
+        "a ClusterRole per network, which needs write access to ClusterRoles",
     )
     p.add_argument(
         "--identity", default=None, help="name in the lease (default: POD_NAME, else host-pid)"
@@ -217,6 +236,8 @@ def settings_from_args(argv: Sequence[str]) -> OperatorSettings:
         extra_agent_images=tuple(args.allowed_agent_image),
         admission_mode=args.admission_mode,
         pod_security_default=args.pod_security_default,
+        agent_cluster_role=args.agent_cluster_role,
+        agent_image_pull_secrets=tuple(args.agent_image_pull_secret),
     )
     return OperatorSettings(
         render=render,

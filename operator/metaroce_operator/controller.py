@@ -39,6 +39,7 @@ from metaroce_operator.conflicts import (
     selector_matches,
 )
 from metaroce_operator.drift import daemonset_drift, rbac_drift
+from metaroce_operator.freshness import NetworkBodies
 from metaroce_operator.images import image_refusal
 from metaroce_operator.informer import Informer
 from metaroce_operator.kube import KINDS, ApiError, Kube, NotLeader
@@ -50,7 +51,7 @@ from metaroce_operator.observed import (
     parse_time,
 )
 from metaroce_operator.render import config_generation, render_network
-from metaroce_operator.render.common import agent_config, child_name, config_hash
+from metaroce_operator.render.common import agent_config, anchor_kind, child_name, config_hash
 from metaroce_operator.render.podpolicy import policy_name
 from metaroce_operator.settings import OperatorSettings
 from metaroce_operator.status import (
@@ -73,6 +74,7 @@ NETWORK = KINDS[(c.API_VERSION, c.NETWORK_KIND)]
 NODESTATE = KINDS[(c.API_VERSION, c.NODESTATE_KIND)]
 CONFIGMAP = KINDS[("v1", "ConfigMap")]
 CLUSTERROLE = KINDS[("rbac.authorization.k8s.io/v1", "ClusterRole")]
+CLUSTERROLEBINDING = KINDS[("rbac.authorization.k8s.io/v1", "ClusterRoleBinding")]
 NAMESPACE = KINDS[("v1", "Namespace")]
 NODE = KINDS[("v1", "Node")]
 POD_POLICY = KINDS[("admissionregistration.k8s.io/v1", "MutatingAdmissionPolicy")]
@@ -101,18 +103,12 @@ class Applied:
     config_hash: str
 
 
-def _rv(body: dict[str, Any]) -> int:
-    try:
-        return int((body.get("metadata") or {}).get("resourceVersion") or 0)
-    except ValueError:
-        return 0
-
-
 class Store:
     """What the leader knows, reduced to what it needs."""
 
     def __init__(self) -> None:
-        self.networks: dict[str, dict[str, Any]] = {}
+        self.bodies = NetworkBodies()
+        self.networks: dict[str, dict[str, Any]] = self.bodies.bodies
         self.reports: dict[str, dict[str, NodeReport]] = defaultdict(dict)
         self.report_keys: dict[str, tuple[str, str]] = {}
         self.daemonsets: dict[str, DaemonSetView] = {}
@@ -133,18 +129,21 @@ class Store:
         policy mode) this process has deleted, once per network."""
 
     def set_network(self, body: dict[str, Any]) -> bool:
-        """Keep the newest body; an event older than our own write's response is ignored
-        (resourceVersions are etcd revisions here; the watch delivers them in order)."""
-        name = body["metadata"]["name"]
-        old = self.networks.get(name)
-        if old is not None and 0 < _rv(body) < _rv(old):
-            return False
-        self.networks[name] = body
-        return True
+        """Keep the newest body (see `freshness`: resourceVersions are never compared)."""
+        return self.bodies.from_watch(body)
+
+    def wrote_status(self, body: dict[str, Any]) -> None:
+        """Keep the response of the leader's own status write."""
+        self.bodies.from_write(body)
+
+    def status_of(self, name: str) -> dict[str, Any] | None:
+        """The network's status as the leader last knows it (its own write until the
+        watch echoes it)."""
+        return self.bodies.status(name)
 
     def forget_network(self, name: str) -> None:
+        self.bodies.forget(name)
         for table in (
-            self.networks,
             self.daemonsets,
             self.applied,
             self.errors,
@@ -301,8 +300,7 @@ class Controller:
             return False
         if len(reports) < desired:  # the common case during a rollout: O(1)
             return False
-        body = self.store.networks.get(name) or {}
-        shown = (body.get("status") or {}).get("nodes") or {}
+        shown = (self.store.status_of(name) or {}).get("nodes") or {}
         if int(shown.get("configured") or 0) + int(shown.get("failed") or 0) >= desired:
             return False
         return rollout_settled(reports, applied.config_generation, desired, eligible)
@@ -435,7 +433,8 @@ class Controller:
             await cleanup.set_finalizer(self.kube, name, True, c.FIELD_MANAGER)
         children = render_network(network, self.settings.render, config_generation=config_gen)
         if network.spec.cleanup_on_delete and network.metadata.uid:
-            # The ClusterRole owns the other children and the namespace owns it (see
+            # The anchor (the ClusterRole, or the ClusterRoleBinding with the chart's shared
+            # ClusterRole) owns the other children and the namespace owns it (see
             # render.common.anchor_references): apply it first, then the rest with its uid.
             ns = await self.kube.get_or_none(NAMESPACE, namespace)
             ns_uid = str(((ns or {}).get("metadata") or {}).get("uid") or "") or None
@@ -574,7 +573,7 @@ class Controller:
         error = self.store.errors.get(name)
         if applied is None and error is None and name not in self.store.held:
             return  # not reconciled in this term yet: a status from nothing would flap
-        previous = parse_status(body.get("status"))
+        previous = parse_status(self.store.status_of(name))
         generation = int(body["metadata"].get("generation") or 0)
         try:
             network = validate_network(body)
@@ -636,7 +635,7 @@ class Controller:
             if err.status == 404:
                 return  # deleted meanwhile
             raise
-        self.store.set_network(result)
+        self.store.wrote_status(result)
         metrics.STATUS_WRITES.labels(network=name).inc()
         for spec in transition_events(previous, new):
             await events.post(self.kube, body, spec, self.settings.identity)
@@ -670,7 +669,7 @@ class Controller:
         except InvalidObject:
             network = None
         if network is not None and (view.pending or view.timed_out):
-            previous = parse_status(body.get("status"))
+            previous = parse_status(self.store.status_of(name))
             observed = self._observed(
                 name, network, self.store.applied.get(name), None, cleanup_view=view
             )
@@ -688,10 +687,16 @@ class Controller:
             )
         else:
             log.info("%s: every node reported its settings reverted; releasing", name)
-        # The agents go now (the ClusterRole owns the other children, see
+        # The agents go now (the anchor owns the other children, see
         # render.common.anchor_references), then the network.
-        if await self.kube.delete(CLUSTERROLE, child_name(name)):
-            log.info("%s: deleted its agents' ClusterRole; the rest is garbage-collected", name)
+        shared = self.settings.render.agent_cluster_role is not None
+        anchor = CLUSTERROLEBINDING if shared else CLUSTERROLE
+        if await self.kube.delete(anchor, child_name(name)):
+            log.info(
+                "%s: deleted its agents' %s; the rest is garbage-collected",
+                name,
+                anchor_kind(self.settings.render),
+            )
         await cleanup.set_finalizer(self.kube, name, False, c.FIELD_MANAGER)
 
     def _recheck_at(self, name: str, delay: float) -> None:

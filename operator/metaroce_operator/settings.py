@@ -108,6 +108,15 @@ class RenderSettings:
     IPC_LOCK (the chart's ValidatingAdmissionPolicy then refuses them with the reason)."""
     pod_security_default: str = "privileged"
     """The cluster's PodSecurity default `enforce` level, for namespaces without the label."""
+    agent_cluster_role: str | None = None
+    """The agents' ClusterRole the chart ships (`--agent-cluster-role`): each network's
+    ClusterRoleBinding names it, and the operator needs `bind` on it only, never write
+    access to ClusterRoles. None: a ClusterRole per network (the operator holds the
+    agents' rules; for running without the chart)."""
+
+    agent_image_pull_secrets: tuple[str, ...] = ()
+    """Secrets in the agents' namespace the agent pods pull with (the chart's
+    imagePullSecrets, `--agent-image-pull-secret`)."""
 
     def __post_init__(self) -> None:
         check_namespace("--namespace", self.namespace)
@@ -124,6 +133,22 @@ class RenderSettings:
                 "--pod-security-default",
                 self.pod_security_default,
                 "write privileged, baseline or restricted (the cluster's PodSecurity default)",
+            )
+        for secret in self.agent_image_pull_secrets:
+            if not _DNS_SUBDOMAIN.match(secret):
+                raise SettingsError(
+                    "--agent-image-pull-secret",
+                    secret,
+                    "name a Secret of type kubernetes.io/dockerconfigjson in the agents' "
+                    "namespace (a DNS subdomain)",
+                )
+        if self.agent_cluster_role is not None and not _DNS_SUBDOMAIN.match(
+            self.agent_cluster_role
+        ):
+            raise SettingsError(
+                "--agent-cluster-role",
+                self.agent_cluster_role,
+                "name the agents' ClusterRole of the chart (<fullname>-agent), a DNS subdomain",
             )
         check_image("--agent-image", self.agent_image)
         for image in self.extra_agent_images:

@@ -84,13 +84,14 @@ both: the pod webhook's configuration exists only in webhook mode.
 {{/*
 The operator's arguments: exactly operator/metaroce_operator/cli.py chart_arguments(
 namespace, agent image, fullname, webhook port, cert-manager, allowed agent images,
-admission mode), with
+admission mode, image pull secrets), with
 the log level from values (tests/integration/chart checks that they agree).
 */}}
 {{- define "metaroce.operatorArgs" -}}
 {{- $fullname := include "metaroce.fullname" . -}}
 - --namespace={{ include "metaroce.namespace" . }}
 - --agent-image={{ include "metaroce.agentImage" . }}
+- --agent-cluster-role={{ $fullname }}-agent
 - --metrics-port={{ include "metaroce.metricsPort" . }}
 - --health-port={{ include "metaroce.healthPort" . }}
 - --log-level={{ .Values.operator.logLevel }}
@@ -108,5 +109,8 @@ the log level from values (tests/integration/chart checks that they agree).
 {{- end }}
 {{- range .Values.agent.allowedImages }}
 - --allowed-agent-image={{ . }}
+{{- end }}
+{{- range .Values.imagePullSecrets }}
+- --agent-image-pull-secret={{ .name }}
 {{- end }}
 {{- end -}}

@@ -42,10 +42,17 @@ def render_network(
     `cleanupOnDelete` it owns the others, see `common.anchor_references`, whose
     `anchor_uid` is its uid, and `namespace_uid` that of the agents' namespace, which
     owns it; the DaemonSet after the agents' RBAC and config, so its pods find them).
+    With the chart's shared agents' ClusterRole there is none, and the ClusterRoleBinding
+    comes first, as the anchor: ClusterRoleBinding, ServiceAccount, ConfigMap, DaemonSet.
     `config_generation`: see `render.configmap.config_generation`."""
     ctx = RenderContext.build(network, settings, config_generation, anchor_uid, namespace_uid)
-    account, role, binding = render_rbac(ctx)
-    children = [role, account, binding, render_configmap(ctx), render_daemonset(ctx)]
+    rbac = render_rbac(ctx)
+    if len(rbac) == 2:
+        account, binding = rbac
+        children = [binding, account, render_configmap(ctx), render_daemonset(ctx)]
+    else:
+        account, role, binding = rbac
+        children = [role, account, binding, render_configmap(ctx), render_daemonset(ctx)]
     if settings.admission_mode == "policy":
         children += render_pod_policy(network, settings)
     return children

@@ -77,9 +77,18 @@ def owner_references(network: MetaRoceNetwork) -> list[dict[str, Any]]:
     ]
 
 
-def anchor_references(network: MetaRoceNetwork, anchor_uid: str) -> list[dict[str, Any]]:
-    """For a `cleanupOnDelete` network: the agents' ClusterRole as owner of the other
-    children, instead of the network.
+def anchor_kind(settings: RenderSettings) -> str:
+    """The cluster-scoped child that anchors a `cleanupOnDelete` network's others: its
+    ClusterRole, or its ClusterRoleBinding when the agents share the chart's ClusterRole
+    (`RenderSettings.agent_cluster_role`)."""
+    return "ClusterRole" if settings.agent_cluster_role is None else "ClusterRoleBinding"
+
+
+def anchor_references(
+    network: MetaRoceNetwork, anchor_uid: str, kind: str = "ClusterRole"
+) -> list[dict[str, Any]]:
+    """For a `cleanupOnDelete` network: the agents' ClusterRole (or ClusterRoleBinding,
+    see `anchor_kind`) as owner of the other children, instead of the network.
 
     Deleting the network must not take the agents (and the RBAC they report with) before
     every node reported its settings reverted. A finalizer on the network holds the
@@ -97,7 +106,7 @@ def anchor_references(network: MetaRoceNetwork, anchor_uid: str) -> list[dict[st
     return [
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "ClusterRole",
+            "kind": kind,
             "name": child_name(network.name),
             "uid": anchor_uid,
         }
@@ -165,10 +174,10 @@ class RenderContext:
     labels: dict[str, str]
     selector: dict[str, str]
     owner_refs: list[dict[str, Any]]
-    """Of every child but the ClusterRole."""
+    """Of every child but the anchor (see `anchor_kind`)."""
     anchor_owner_refs: list[dict[str, Any]]
-    """Of the ClusterRole: when it is the anchor (see `anchor_references`), its
-    namespace's, not the network's."""
+    """Of the anchor: when it is one (see `anchor_references`), its namespace's, not the
+    network's."""
 
     @classmethod
     def build(
@@ -183,7 +192,8 @@ class RenderContext:
         owners = owner_references(network)
         anchor_owners = owners
         if network.spec.cleanup_on_delete:
-            owners = anchor_references(network, anchor_uid) if anchor_uid else []
+            kind = anchor_kind(settings)
+            owners = anchor_references(network, anchor_uid, kind) if anchor_uid else []
             anchor_owners = namespace_references(settings.namespace, namespace_uid)
         return cls(
             network=network,

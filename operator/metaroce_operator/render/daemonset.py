@@ -65,6 +65,7 @@ def render_daemonset(ctx: RenderContext) -> dict[str, Any]:
         affinity=affinity,
         tolerations=tolerations(ctx.network),
         image=spec.agent.image or ctx.settings.agent_image,
+        pull_secrets=[{"name": name} for name in ctx.settings.agent_image_pull_secrets],
         config_dir=CONFIG_DIR,
         config_file=CONFIG_FILE,
         config_path=f"{CONFIG_DIR}/{CONFIG_FILE}",

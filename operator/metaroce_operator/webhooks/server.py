@@ -9,6 +9,13 @@ Endpoints: `POST /mutate-pod`, `POST /validate-network` (AdmissionReview v1 in a
   fails to load and is retried: the old certificate keeps serving meanwhile);
 - keep-alive HTTP/1.1, TCP_NODELAY, one write per answer: the apiserver reuses its
   connections and the answer leaves in one TLS record;
+- bounded: at most `max_connections` connections (a new one beyond closes the one idle
+  longest, then the one reading longest; only when every one is answering is the new one
+  refused), a `request_timeout` from a request's first byte to its last (a trickle of
+  headers cannot hold a slot), an `idle_timeout` between requests, `MAX_BODY` per review
+  and `MAX_BODY_BYTES_IN_FLIGHT` for all bodies being read at once (503 beyond: the
+  failurePolicy decides). A flood still costs the apiserver's calls their connection:
+  the chart's optional NetworkPolicy keeps everyone else out;
 - every replica serves from its own `NetworkWatch`; a request that arrives before the
   first list completes waits up to `sync_timeout` and is then answered with HTTP 503;
   an internal error with HTTP 500. Never with `allowed: false`: the apiserver honours a
@@ -242,8 +249,88 @@ _REASONS = {
     500: "Internal Server Error",
     503: "Service Unavailable",
 }
-MAX_BODY = 8 << 20
-"""An AdmissionReview is bounded by the apiserver's request limit (3 MiB objects)."""
+MAX_BODY = 4 << 20
+"""An AdmissionReview carries the object and, on UPDATE, the old one: objects are bounded
+by etcd's 1.5 MiB request limit, the apiserver's request bodies by 3 MiB."""
+MAX_BODY_BYTES_IN_FLIGHT = 64 << 20
+"""All bodies being read at once (the server's memory under a flood of large requests)."""
+HEADER_LIMIT = 65536
+
+
+class ByteBudget:
+    """A count of bytes shared by the connections' threads: take before reading a body."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> bool:
+        with self._lock:
+            if self.used + n > self.limit:
+                return False
+            self.used += n
+            return True
+
+    def give(self, n: int) -> None:
+        with self._lock:
+            self.used -= n
+
+
+SlotState = str
+"""'idle' (handshaking, or between requests), 'reading' (a request is arriving) or
+'answering' (the review is being decided)."""
+
+
+def pick_eviction(slots: Mapping[Any, tuple[SlotState, float]]) -> Any | None:
+    """The connection to close for a new one: the one idle longest, else the one reading
+    longest; never one being answered (that would fail a review the apiserver sent)."""
+    for state in ("idle", "reading"):
+        since = {key: at for key, (s, at) in slots.items() if s == state}
+        if since:
+            return min(since, key=lambda key: since[key])
+    return None
+
+
+class ConnectionSlots:
+    """At most `limit` connections, each known by its file descriptor so that the accept
+    thread can shut one down under the thread serving it. A slot is released before its
+    socket is closed, so a descriptor number reused by a later connection is never shut
+    down by mistake."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._slots: dict[int, tuple[SlotState, float]] = {}
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._slots)
+
+    def admit(self, fd: int) -> bool:
+        """Take a slot for a new connection (closing another if all are taken)."""
+        with self._lock:
+            if len(self._slots) >= self.limit:
+                victim = pick_eviction(self._slots)
+                if victim is None:
+                    return False
+                state, _ = self._slots.pop(victim)
+                metrics.CONNECTIONS.labels(result=f"evicted-{state}").inc()
+                evicted = socket.socket(fileno=victim)
+                with contextlib.suppress(OSError):
+                    evicted.shutdown(socket.SHUT_RDWR)
+                evicted.detach()  # its own thread closes it
+            self._slots[fd] = ("idle", time.monotonic())
+            return True
+
+    def mark(self, fd: int, state: SlotState) -> None:
+        with self._lock:
+            if fd in self._slots:
+                self._slots[fd] = (state, time.monotonic())
+
+    def release(self, fd: int) -> None:
+        with self._lock:
+            self._slots.pop(fd, None)
 
 
 def _response(code: int, body: bytes, content_type: bytes = b"application/json") -> bytes:
@@ -254,20 +341,43 @@ def _response(code: int, body: bytes, content_type: bytes = b"application/json")
     )
 
 
-def serve_connection(conn: Any, app: AdmissionHandler) -> None:
+def _noop(_state: SlotState) -> None:
+    pass
+
+
+def serve_connection(
+    conn: Any,
+    app: AdmissionHandler,
+    *,
+    idle_timeout: float | None = None,
+    request_timeout: float | None = None,
+    budget: ByteBudget | None = None,
+    state: Callable[[SlotState], None] = _noop,
+) -> None:
     """Answer HTTP/1.1 requests on one (TLS) connection until the peer closes it.
 
     A small keep-alive loop instead of BaseHTTPRequestHandler: the apiserver sends one
     POST with a Content-Length at a time, and this costs a fraction of the CPU (the
-    webhook's CPU is the apiserver's latency). Each answer leaves in one write."""
+    webhook's CPU is the apiserver's latency). Each answer leaves in one write.
+    `idle_timeout` bounds the wait for a request's first byte, `request_timeout` the
+    time from it to the request's last byte (socket.timeout ends the connection)."""
     buf = b""
+    idle = idle_timeout if idle_timeout is not None else conn.gettimeout()
     while True:
+        deadline = None
+        if buf:  # a pipelined request: its clock runs already
+            deadline = _deadline(request_timeout)
+            state("reading")
         while b"\r\n\r\n" not in buf:
+            conn.settimeout(idle if deadline is None else _left(deadline) or idle)
             chunk = conn.recv(65536)
             if not chunk:
                 return
+            if deadline is None:
+                deadline = _deadline(request_timeout)
+                state("reading")
             buf += chunk
-            if len(buf) > 65536 and b"\r\n\r\n" not in buf:
+            if len(buf) > HEADER_LIMIT and b"\r\n\r\n" not in buf:
                 conn.sendall(_response(413, b'{"error":"headers too large"}'))
                 return
         head, _, rest = buf.partition(b"\r\n\r\n")
@@ -289,18 +399,42 @@ def serve_connection(conn: Any, app: AdmissionHandler) -> None:
         except ValueError:
             length = -1
         if not 0 <= length <= MAX_BODY:
-            conn.sendall(_response(413, b'{"error":"bad Content-Length"}'))
+            conn.sendall(_response(413, b'{"error":"bad Content-Length (at most 4 MiB)"}'))
             return
-        while len(rest) < length:
-            chunk = conn.recv(max(65536, length - len(rest)))
-            if not chunk:
-                return
-            rest += chunk
-        body, buf = rest[:length], rest[length:]
-        path = target.split(b"?", 1)[0].decode("latin-1")
-        conn.sendall(_answer(method, path, body, app))
+        if budget is not None and not budget.take(length):
+            conn.sendall(_response(503, b'{"error":"too many large requests at once"}'))
+            return
+        try:
+            while len(rest) < length:
+                if deadline is not None:
+                    conn.settimeout(_left(deadline))
+                chunk = conn.recv(max(65536, length - len(rest)))
+                if not chunk:
+                    return
+                rest += chunk
+            body, buf = rest[:length], rest[length:]
+            state("answering")
+            path = target.split(b"?", 1)[0].decode("latin-1")
+            conn.sendall(_answer(method, path, body, app))
+        finally:
+            if budget is not None:
+                budget.give(length)
+        state("idle")
         if headers.get(b"connection", b"").lower() == b"close":
             return
+
+
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def _left(deadline: float | None) -> float | None:
+    if deadline is None:
+        return None
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the request did not arrive within its deadline")
+    return left
 
 
 def _status_body(exc: WebhookUnavailable) -> bytes:
@@ -345,35 +479,70 @@ class _HttpsServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
     allow_reuse_address = True
 
     def __init__(
-        self, address: tuple[str, int], app: AdmissionHandler, tls: TlsFiles, idle: float
+        self, address: tuple[str, int], app: AdmissionHandler, tls: TlsFiles, options: ServerOptions
     ) -> None:
         self.app = app
         self.tls = tls
-        self.idle_timeout = idle
+        self.options = options
+        self.slots = ConnectionSlots(options.max_connections)
+        self.budget = ByteBudget(MAX_BODY_BYTES_IN_FLIGHT)
         super().__init__(address, socketserver.BaseRequestHandler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        # On the accept thread: take a slot before a thread is started for the connection.
+        if not self.slots.admit(request.fileno()):
+            metrics.CONNECTIONS.labels(result="refused").inc()
+            log.warning(
+                "webhook: %d connections are all answering reviews; refused one from %s",
+                self.slots.limit,
+                client_address,
+            )
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
 
     def finish_request(self, request: Any, client_address: Any) -> None:
         # Runs in the connection's own thread: the TLS handshake never blocks accept().
+        fd = request.fileno()
         ctx = self.tls.context
-        if ctx is None:
-            return
-        request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        request.settimeout(10)
+        conn = None
         try:
-            conn = ctx.wrap_socket(request, server_side=True)
-        except (ssl.SSLError, OSError) as exc:
-            metrics.CONNECTIONS.labels(result="handshake-failed").inc()
-            log.debug("webhook: TLS handshake with %s failed: %s", client_address, exc)
-            return
-        metrics.CONNECTIONS.labels(result="accepted").inc()
-        try:
-            conn.settimeout(self.idle_timeout)
-            serve_connection(conn, self.app)
+            if ctx is None:
+                return
+            request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            request.settimeout(self.options.handshake_timeout)
+            conn = ctx.wrap_socket(request, server_side=True, do_handshake_on_connect=False)
+            try:
+                conn.do_handshake()
+            except (ssl.SSLError, OSError) as exc:
+                metrics.CONNECTIONS.labels(result="handshake-failed").inc()
+                log.debug("webhook: TLS handshake with %s failed: %s", client_address, exc)
+                return
+            metrics.CONNECTIONS.labels(result="accepted").inc()
+
+            def state(value: SlotState) -> None:
+                self.slots.mark(fd, value)
+
+            serve_connection(
+                conn,
+                self.app,
+                idle_timeout=self.options.idle_timeout,
+                request_timeout=self.options.request_timeout,
+                budget=self.budget,
+                state=state,
+            )
         except (OSError, ssl.SSLError) as exc:
             log.debug("webhook: connection from %s ended: %s", client_address, exc)
         finally:
-            with contextlib.suppress(OSError):
-                conn.close()
+            self.slots.release(fd)  # before the descriptor can be reused
+            if conn is not None:
+                with contextlib.suppress(OSError):
+                    conn.close()
+
+    def shutdown_request(self, request: Any) -> None:
+        # finish_request closed the TLS wrapper (which owns the descriptor) already.
+        if request.fileno() != -1:
+            super().shutdown_request(request)
 
 
 @dataclass
@@ -382,7 +551,16 @@ class ServerOptions:
     address: str = "0.0.0.0"
     port: int = 8443
     reload_interval: float = 2.0
-    idle_timeout: float = 90.0
+    idle_timeout: float = 30.0
+    """Seconds a connection may wait for its next request (the apiserver's client keeps
+    idle connections 90 s and opens a new one when the server closed its)."""
+    request_timeout: float = 10.0
+    """Seconds from a request's first byte to its last (the apiserver's webhook timeout
+    is at most 30 s, 10 s by default)."""
+    handshake_timeout: float = 5.0
+    max_connections: int = 256
+    """HTTP/1.1 carries one review per connection at a time: this is also the most
+    reviews answered at once (the apiserver opens a connection per concurrent call)."""
 
 
 class WebhookServer:
@@ -407,7 +585,7 @@ class WebhookServer:
                 "the webhook Secret there, or pass --cert-secret / --manage-certs"
             )
         self._httpd = _HttpsServer(
-            (self.options.address, self.options.port), self.app, self.tls, self.options.idle_timeout
+            (self.options.address, self.options.port), self.app, self.tls, self.options
         )
         threading.Thread(
             target=self._httpd.serve_forever,

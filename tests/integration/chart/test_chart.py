@@ -108,7 +108,7 @@ def test_deployment_passes_exactly_chart_arguments(
     assert sc["readOnlyRootFilesystem"] and sc["runAsNonRoot"]
     assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
-    assert chart.find(docs, "PodDisruptionBudget")["spec"]["minAvailable"] == 1
+    assert chart.find(docs, "PodDisruptionBudget")["spec"]["maxUnavailable"] == 1
 
 
 AGGREGATE = "rbac.authorization.k8s.io/aggregate-to-"
@@ -488,7 +488,8 @@ def test_upgrade_path_crds_first_then_helm_upgrade(
         )
         hook = get_json(cluster, "validatingwebhookconfiguration", f"{release.fullname}-networks")
         assert hook["webhooks"][0]["timeoutSeconds"] == 7
-        # The caBundle the leader wrote survives the upgrade (the chart looks it up).
+        # The caBundle the leader wrote survives the upgrade (the chart never sets it, so
+        # Helm's three-way merge leaves it alone).
         assert hook["webhooks"][0]["clientConfig"].get("caBundle")
         deploy = get_json(cluster, "deployment", release.fullname, "-n", release.namespace)
         assert "--log-level=debug" in deploy["spec"]["template"]["spec"]["containers"][0]["args"]

@@ -65,7 +65,11 @@ class OperatorEnv:
     # -- operator --------------------------------------------------------------------------
 
     def chart_args(self) -> list[str]:
-        return chart_arguments(self.namespace, AGENT_IMAGE)
+        # Without --agent-cluster-role: these tests run no chart, so they exercise the
+        # per-network agent ClusterRole; the chart's shared one is tested in
+        # tests/integration/chart (test_chart, test_operator_rbac).
+        args = chart_arguments(self.namespace, AGENT_IMAGE)
+        return [a for a in args if not a.startswith("--agent-cluster-role=")]
 
     def operator_args(self, *extra: str) -> list[str]:
         """The chart's arguments, with free ports (several run on one host), plus `extra`."""

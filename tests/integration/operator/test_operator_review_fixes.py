@@ -14,6 +14,7 @@ import json
 import time
 from typing import Any
 
+import pytest
 import yaml
 from conftest import OperatorEnv
 from operator_env import LoadGenerator, condition, get_json, network_manifest, wait_for
@@ -190,11 +191,16 @@ def _wait_until_the_garbage_collector_knows_networks(env: OperatorEnv) -> None:
     )
 
 
-def test_foreground_deletion_keeps_the_agents_until_they_reverted(env: OperatorEnv) -> None:
+@pytest.mark.parametrize("shared_role", [False, True], ids=["own-role", "chart-role"])
+def test_foreground_deletion_keeps_the_agents_until_they_reverted(
+    env: OperatorEnv, shared_role: bool
+) -> None:
     """#7: `kubectl delete --cascade=foreground` (Argo CD prunes that way) makes the
     garbage collector delete the dependents first; the agents must stay until every node
-    reported its settings reverted, and their RBAC with them (they report through it)."""
-    env.start_operator("--cleanup-timeout=300s")
+    reported its settings reverted, and their RBAC with them (they report through it).
+    With the chart's shared agents' ClusterRole (#13) the binding is the anchor."""
+    shared = ("--agent-cluster-role=metaroce-agent",) if shared_role else ()
+    env.start_operator("--cleanup-timeout=300s", *shared)
     gen = env.loadgen("fg")
     env.apply(network_manifest("fg", nodeSelector=POOL_A, cleanupOnDelete=True))
     _wait_until_the_garbage_collector_knows_networks(env)
@@ -207,8 +213,12 @@ def test_foreground_deletion_keeps_the_agents_until_they_reverted(env: OperatorE
         ("configmap", name, "-n", env.namespace),
         ("serviceaccount", name, "-n", env.namespace),
         ("clusterrolebinding", name),
-        ("clusterrole", name),
+        *([] if shared_role else [("clusterrole", name)]),
     ]
+    if shared_role:
+        binding = get_json(env.cluster, "clusterrolebinding", name) or {}
+        assert binding["roleRef"]["name"] == "metaroce-agent"
+        assert get_json(env.cluster, "clusterrole", name) is None
     deadline = time.monotonic() + 10  # the garbage collector acts within a second or two
     while time.monotonic() < deadline:
         assert (env.network("fg") or {})["metadata"].get("deletionTimestamp")

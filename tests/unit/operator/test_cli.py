@@ -81,7 +81,9 @@ def test_operator_flags_and_chart_arguments(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("POD_NAMESPACE", "rdma-system")
     s = settings_from_args(chart_arguments("rdma-system", "example.com/agent:v1"))
     assert s.identity == "metaroce-operator-abc"
-    assert s.render == RenderSettings("rdma-system", "example.com/agent:v1")
+    assert s.render == RenderSettings(
+        "rdma-system", "example.com/agent:v1", agent_cluster_role="metaroce-agent"
+    )
     assert s.lease_namespace == "rdma-system"
     assert (s.metrics_port, s.health_port) == (8080, 8081)
     assert s.webhook == WebhookSettings(
@@ -107,6 +109,7 @@ def test_chart_arguments_contract() -> None:
     ) == [
         "--namespace=ns",
         "--agent-image=example.com/a:v1",
+        "--agent-cluster-role=rel-metaroce-agent",
         "--metrics-port=8080",
         "--health-port=8081",
         "--log-level=info",

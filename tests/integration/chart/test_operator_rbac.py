@@ -1,0 +1,179 @@
+"""The operator's own privileges (issue 16 #13), as the real apiserver enforces them.
+
+The chart's RBAC and its ValidatingAdmissionPolicy are applied to the cluster, and the
+operator's ServiceAccount (impersonated: RBAC and the policy see its user name) tries
+what a compromised operator would: grant its own role to others, edit a ClusterRole,
+bind a role other than the agents', bind the agents' role to anyone but an agent, and
+edit a Node beyond the `metaroce.io/*` taints. What the operator does for real (bind
+the agents' ClusterRole to an agent ServiceAccount, set and clear its taints) passes.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import yaml
+
+from metaroce_harness import chart
+from metaroce_harness.cluster import LocalCluster
+
+KINDS = {
+    "ServiceAccount",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "Role",
+    "RoleBinding",
+    "ValidatingAdmissionPolicy",
+    "ValidatingAdmissionPolicyBinding",
+}
+
+
+class Installed:
+    def __init__(self, cluster: LocalCluster, namespace: str, release: str) -> None:
+        self.cluster = cluster
+        self.namespace = namespace
+        self.release = release
+        self.user = f"system:serviceaccount:{namespace}:{release}"
+        self.node = f"rbac-{secrets.token_hex(3)}"
+
+    def as_operator(self, *args: str, input: str | None = None) -> tuple[bool, str]:
+        proc = self.cluster.kubectl(f"--as={self.user}", *args, input=input, check=False)
+        return proc.returncode == 0, proc.stderr
+
+    def binding(self, role: str, subjects: list[dict[str, Any]]) -> str:
+        return json.dumps(
+            {
+                "apiVersion": "rbac.authorization.k8s.io/v1",
+                "kind": "ClusterRoleBinding",
+                "metadata": {"name": f"{self.release}-try-{secrets.token_hex(3)}"},
+                "roleRef": {
+                    "apiGroup": "rbac.authorization.k8s.io",
+                    "kind": "ClusterRole",
+                    "name": role,
+                },
+                "subjects": subjects,
+            }
+        )
+
+    def agent(self, name: str = "metaroce-agent-net") -> dict[str, Any]:
+        return {"kind": "ServiceAccount", "name": name, "namespace": self.namespace}
+
+
+@pytest.fixture
+def installed(cluster: LocalCluster, namespace: str) -> Iterator[Installed]:
+    release = f"metaroce-rb-{secrets.token_hex(3)}"
+    docs = chart.render(cluster, release, {"namespace": {"name": namespace, "create": False}})
+    ours = [d for d in docs if d["kind"] in KINDS]
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(ours))
+    inst = Installed(cluster, namespace, release)
+    node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": inst.node}}
+    cluster.kubectl("create", "-f", "-", input=json.dumps(node))
+    try:
+        yield inst
+    finally:
+        cluster.kubectl("delete", "node", inst.node, "--wait=false", check=False)
+        cluster.kubectl("delete", "-f", "-", "--wait=false", input=yaml.safe_dump_all(ours),
+                        check=False)  # fmt: skip
+        left = cluster.kubectl("get", "clusterrolebindings", "-o", "name").stdout.split()
+        for name in left:
+            if name.startswith(f"clusterrolebinding.rbac.authorization.k8s.io/{release}-try-"):
+                cluster.kubectl("delete", name, "--wait=false", check=False)
+
+
+def _policy_ready(inst: Installed) -> None:
+    """A new policy takes a moment to be enforced: wait until a refused write is refused."""
+    from metaroce_harness.polling import wait_for
+
+    def refused() -> bool:
+        ok, _ = inst.as_operator(
+            "label", "node", inst.node, "probe-policy=1", "--overwrite", "--dry-run=server"
+        )
+        return not ok
+
+    wait_for("the operator's ValidatingAdmissionPolicy to apply", refused, timeout=30)
+
+
+def test_the_operator_cannot_grant_its_own_role_or_edit_cluster_roles_issue_16_13(
+    installed: Installed,
+) -> None:
+    inst = installed
+    _policy_ready(inst)
+    own_role = f"{inst.release}-operator"
+    ok, err = inst.as_operator(
+        "create", "-f", "-", input=inst.binding(own_role, [inst.agent("anyone")])
+    )
+    assert not ok, "the operator could bind its own ClusterRole to another ServiceAccount"
+    victim = f"{inst.release}-victim"
+    inst.cluster.kubectl("create", "clusterrole", victim, "--verb=get", "--resource=pods")
+    try:
+        rule = {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]}
+        patch = json.dumps([{"op": "add", "path": "/rules/-", "value": rule}])
+        ok, err = inst.as_operator("patch", "clusterrole", victim, "--type=json", "-p", patch)
+        assert not ok and "forbidden" in err.lower(), err
+    finally:
+        inst.cluster.kubectl("delete", "clusterrole", victim, "--wait=false", check=False)
+
+
+def test_the_operator_binds_only_the_agents_role_to_agents_issue_16_13(
+    installed: Installed,
+) -> None:
+    inst = installed
+    _policy_ready(inst)
+    agent_role = f"{inst.release}-agent"
+    ok, err = inst.as_operator("create", "-f", "-", input=inst.binding(agent_role, [inst.agent()]))
+    assert ok, err
+    for subjects in (
+        [
+            {
+                "kind": "Group",
+                "name": "system:authenticated",
+                "apiGroup": "rbac.authorization.k8s.io",
+            }
+        ],
+        [{"kind": "ServiceAccount", "name": "metaroce-agent-net", "namespace": "default"}],
+        [inst.agent(), {"kind": "ServiceAccount", "name": "default", "namespace": inst.namespace}],
+    ):
+        ok, err = inst.as_operator("create", "-f", "-", input=inst.binding(agent_role, subjects))
+        assert not ok, f"the operator bound the agents' role to {subjects}"
+        assert "agent" in err, err
+
+
+def test_the_operator_changes_only_its_own_taints_on_nodes_issue_16_13(
+    installed: Installed,
+) -> None:
+    inst = installed
+    _policy_ready(inst)
+    taint = {"key": "metaroce.io/rdma-unhealthy", "value": "net", "effect": "NoSchedule"}
+
+    def write_taints(taints: list[dict[str, Any]]) -> tuple[bool, str]:
+        # As taints.py does: the node's other taints (the node lifecycle controller's
+        # not-ready ones on this kubelet-less Node) are kept, under its resourceVersion.
+        node = json.loads(inst.cluster.kubectl("get", "node", inst.node, "-o", "json").stdout)
+        others = [t for t in node["spec"].get("taints") or [] if t["key"] != taint["key"]]
+        patch = {
+            "metadata": {"resourceVersion": node["metadata"]["resourceVersion"]},
+            "spec": {"taints": others + taints},
+        }
+        return inst.as_operator("patch", "node", inst.node, "--type=merge", "-p", json.dumps(patch))
+
+    for _ in range(5):  # a controller may update the Node between the read and the patch
+        ok, err = write_taints([taint])
+        if ok or "modified" not in err:
+            break
+    assert ok, err
+    ok, err = write_taints([])
+    assert ok, err
+    for patch in (
+        {"metadata": {"labels": {"node-role.kubernetes.io/control-plane": ""}}},
+        {"spec": {"unschedulable": True}},
+        {"spec": {"taints": [{"key": "dedicated", "value": "x", "effect": "NoSchedule"}]}},
+    ):
+        ok, err = inst.as_operator(
+            "patch", "node", inst.node, "--type=merge", "-p", json.dumps(patch)
+        )
+        assert not ok, f"the operator could patch a Node with {patch}"
+        assert "metaroce.io/" in err, err
