@@ -88,5 +88,10 @@ def test_a_replica_that_loses_the_lease_stops_acting(env: OperatorEnv) -> None:
     assert net is not None and net["status"]["observedGeneration"] == 1, "a follower acted"
     assert op.metric("metaroce_operator_status_writes_total") == writes
     # ...and takes over again once the intruder's lease expires.
-    wait_for("it to lead again", lambda: env.lease_holder() == "operator-0", timeout=45)
+    try:
+        wait_for("it to lead again", lambda: env.lease_holder() == "operator-0", timeout=45)
+    except AssertionError as err:
+        # Failed once in CI under load (passes alone): the log says where the time went.
+        holder = env.lease_holder()
+        raise AssertionError(f"{err}; lease holder {holder!r}; log:\n{op.log()[-6000:]}") from err
     env.wait_condition("steal", c.CONDITION_READY, "True", generation=2, timeout=120)
