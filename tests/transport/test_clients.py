@@ -29,6 +29,14 @@ RXD_GAPS = {
     "truncation": "libfabric 1.17 ofi_rxd completes a truncated receive without FI_ETRUNC",
     "issend": "libfabric 1.17 ofi_rxd segfaults in progress on Open MPI's MPI_Issend",
 }
+RXD_HANG = (
+    "libfabric 1.17 udp;ofi_rxd under Open MPI loses a message now and then with no loss at"
+    " all: 1 of 8 and 1 of 12 semantics jobs hung, every rank in MPI_Barrier's linear"
+    " algorithm polling rxd's socket (gdb stacks, 2026-12-01)"
+)
+THIRD_PARTY_HANGS = {"tcp;ofi_rxm": RXM_HANG, "udp;ofi_rxd": RXD_HANG}
+HANG_RETRIES = 2
+"""Per job; with the hang rates above, three hangs in a row is about 1 in 1000."""
 
 
 def ns_pids(fab: fabric.MultipathFabric) -> list[str]:
@@ -42,14 +50,21 @@ def ns_pids(fab: fabric.MultipathFabric) -> list[str]:
 
 
 def run_mpi(
-    fab: fabric.MultipathFabric, provider: str, argv: list[str], timeout: float
+    fab: fabric.MultipathFabric,
+    provider: str,
+    argv: list[str],
+    timeout: float,
+    idle_timeout: float | None = None,
 ) -> mpirun.MpiResult:
-    """run_mpi, retried once (loudly: a pytest warning) when a tcp;ofi_rxm job hangs: the
-    harness is under test here, and RXM_HANG is that provider's, not the harness's."""
-    res = mpirun.run_mpi(fab, provider, argv, timeout=timeout)
-    if res.timed_out and provider == "tcp;ofi_rxm":
-        warnings.warn(f"tcp;ofi_rxm job hung, retried once: {RXM_HANG}", stacklevel=2)
-        res = mpirun.run_mpi(fab, provider, argv, timeout=timeout)
+    """run_mpi, retried (loudly: a pytest warning each time) when a job over one of the
+    libfabric providers we did not write hangs: the harness is under test here, and those
+    hangs are the providers' (THIRD_PARTY_HANGS). A metaroce job is never retried."""
+    res = mpirun.run_mpi(fab, provider, argv, timeout=timeout, idle_timeout=idle_timeout)
+    for _ in range(HANG_RETRIES):
+        if not (res.timed_out and provider in THIRD_PARTY_HANGS):
+            break
+        warnings.warn(f"{provider} job hung, retried: {THIRD_PARTY_HANGS[provider]}", stacklevel=2)
+        res = mpirun.run_mpi(fab, provider, argv, timeout=timeout, idle_timeout=idle_timeout)
     return res
 
 
@@ -91,7 +106,8 @@ def test_mpi_semantics_across_namespaces(clean: fabric.MultipathFabric, provider
     gaps = RXD_GAPS if provider == "udp;ofi_rxd" else RXM_GAPS
     skip = ["--skip", ",".join(gaps)]
     before = clean.counters()
-    res = run_mpi(clean, provider, [mpirun.MPI_PYTHON, CHECKS, "semantics", *skip], timeout=90)
+    argv = [mpirun.MPI_PYTHON, CHECKS, "semantics", *skip]
+    res = run_mpi(clean, provider, argv, timeout=90, idle_timeout=30)
     after = clean.counters()
     assert res.returncode == 0 and "ALL OK" in res.stdout, res.stdout + res.stderr
     for check in ("pickled", "ANY_SOURCE", "Cancel", "ranks per namespace [2, 2]", "8 MiB"):
