@@ -42,3 +42,45 @@ pub struct Counters {
     pub conns_reaped: u64,
     pub resets_sent: u64,
 }
+
+impl Counters {
+    /// Every counter by name, in declaration order: what exporters and the stats
+    /// file print, so a new counter shows up there without another edit.
+    pub fn fields(&self) -> [(&'static str, u64); 33] {
+        [
+            ("pkts_sent", self.pkts_sent),
+            ("pkts_rcvd", self.pkts_rcvd),
+            ("bytes_sent", self.bytes_sent),
+            ("bytes_rcvd", self.bytes_rcvd),
+            ("msgs_sent", self.msgs_sent),
+            ("msgs_rcvd", self.msgs_rcvd),
+            ("acks_sent", self.acks_sent),
+            ("acks_rcvd", self.acks_rcvd),
+            ("retransmits", self.retransmits),
+            ("dup_rcvd", self.dup_rcvd),
+            ("sack_holes", self.sack_holes),
+            ("gaps_seen", self.gaps_seen),
+            ("ce_rcvd", self.ce_rcvd),
+            ("ce_echoed", self.ce_echoed),
+            ("rtos", self.rtos),
+            ("spurious_rtos", self.spurious_rtos),
+            ("tlps", self.tlps),
+            ("path_failures", self.path_failures),
+            ("path_readmissions", self.path_readmissions),
+            ("path_rotations", self.path_rotations),
+            ("rnr_waits", self.rnr_waits),
+            ("drops_crc", self.drops_crc),
+            ("drops_malformed", self.drops_malformed),
+            ("drops_version", self.drops_version),
+            ("drops_unknown_conn", self.drops_unknown_conn),
+            ("drops_stale", self.drops_stale),
+            ("drops_no_credit", self.drops_no_credit),
+            ("drops_conn_limit", self.drops_conn_limit),
+            ("handshakes_challenged", self.handshakes_challenged),
+            ("conns_opened", self.conns_opened),
+            ("conns_failed", self.conns_failed),
+            ("conns_reaped", self.conns_reaped),
+            ("resets_sent", self.resets_sent),
+        ]
+    }
+}

@@ -712,6 +712,18 @@ impl Endpoint {
     pub fn path_stats(&self, peer: PeerId) -> Vec<PathStats> {
         let Some(addr) = self.peer_addr(peer) else { return Vec::new() };
         let Some(c) = self.by_addr.get(&addr).and_then(|t| self.conns.get(t)) else { return Vec::new() };
+        Self::stats_of(c)
+    }
+
+    /// Per-path figures of up to `max` live connections, by peer address (lowest
+    /// first, so repeated snapshots list the same peers).
+    pub fn conn_path_stats(&self, max: usize) -> Vec<(SocketAddr, Vec<PathStats>)> {
+        let mut addrs: Vec<&SocketAddr> = self.by_addr.keys().collect();
+        addrs.sort();
+        addrs.into_iter().filter_map(|a| Some((*a, Self::stats_of(self.conns.get(self.by_addr.get(a)?)?)))).take(max).collect()
+    }
+
+    fn stats_of(c: &Connection) -> Vec<PathStats> {
         c.paths
             .iter()
             .map(|p| PathStats {

@@ -14,17 +14,19 @@ pub struct EpConfig {
     pub progress_thread: bool,
     pub dscp: u8,
     pub sock_buf: usize,
+    /// Where the stats file goes (`stats`), if anywhere.
+    pub stats_dir: Option<std::path::PathBuf>,
     pub core: Config,
 }
 
 impl Default for EpConfig {
     fn default() -> Self {
-        Self { addr: None, ports: None, progress_thread: true, dscp: 0, sock_buf: 8 << 20, core: Config::default() }
+        Self { addr: None, ports: None, progress_thread: true, dscp: 0, sock_buf: 8 << 20, stats_dir: None, core: Config::default() }
     }
 }
 
 pub const KEYS: &str =
-    "addr, ports, paths, mtu, dscp, abort_timeout_ms, progress, rate_mbps, max_conns, eager_max, credit_window, sock_buf, min_rto_us, queue_target_us";
+    "addr, ports, paths, mtu, dscp, abort_timeout_ms, progress, rate_mbps, max_conns, eager_max, credit_window, sock_buf, min_rto_us, queue_target_us, stats_dir";
 
 fn num<T: std::str::FromStr>(key: &str, v: &str, allowed: &str) -> Result<T, String> {
     v.parse().map_err(|_| format!("config {key}={v:?}: not a number ({allowed})"))
@@ -83,6 +85,12 @@ impl EpConfig {
                 "eager_max" => self.core.eager_max = num(k, v, "bytes")?,
                 "credit_window" => self.core.credit_window = num(k, v, "bytes")?,
                 "sock_buf" => self.sock_buf = num(k, v, "bytes")?,
+                "stats_dir" => {
+                    if !v.starts_with('/') {
+                        return Err(format!("config stats_dir={v:?}: must be an absolute directory path"));
+                    }
+                    self.stats_dir = Some(v.into());
+                }
                 "progress" => {
                     self.progress_thread = match v {
                         "thread" => true,
@@ -113,6 +121,8 @@ mod tests {
         assert!(c.apply("addr=0.0.0.0").unwrap_err().contains("wildcard"));
         assert!(c.apply("ports=9-3").is_err());
         assert!(c.apply("dscp=64").is_err());
+        assert!(c.apply("stats_dir=run/x").unwrap_err().contains("absolute"));
+        assert!(c.apply("stats_dir=/run/x").is_ok() && c.stats_dir.as_deref() == Some("/run/x".as_ref()));
         c.core.paths = 40;
         assert!(c.core.validate().unwrap_err().contains("paths=40"));
     }

@@ -1,10 +1,11 @@
 //! The MetaRoCE transport over UDP: `metaroce-core` on real sockets with a
 //! progress thread (`transport`), its configuration (`config`), the sockets
-//! (`udp`) and the C ABI of `include/metaroce.h` (`ffi`).
+//! (`udp`), the stats file (`stats`) and the C ABI of `include/metaroce.h` (`ffi`).
 
 pub mod addr;
 pub mod config;
 pub mod ffi;
+pub mod stats;
 pub mod transport;
 pub mod udp;
 

@@ -15,6 +15,7 @@ use metaroce_core::time::Micros;
 use metaroce_core::{Completion, Counters, Endpoint, Error, PathStats, PeekInfo, PeerId, RecvBuf, SendBuf};
 
 use crate::config::EpConfig;
+use crate::stats::{self, Snapshot, StatsFile};
 use crate::udp::{self, PathSocket, BATCH, MAX_DATAGRAM};
 
 /// Packets one pump sends at most before it receives again.
@@ -51,6 +52,9 @@ struct State {
     rx: Vec<[u8; MAX_DATAGRAM]>,
     tx: Vec<u8>,
     last_error: Option<String>,
+    /// `stats_dir=`: where snapshots go, and when the next is due.
+    stats: Option<StatsFile>,
+    stats_due: Micros,
 }
 
 struct Inner {
@@ -62,6 +66,8 @@ struct Inner {
     failed: AtomicBool,
     clock0: Instant,
     local: SocketAddr,
+    /// The stats file's last write error, reported once per kind.
+    stats_error: Mutex<Option<io::ErrorKind>>,
 }
 
 pub struct Transport {
@@ -191,6 +197,31 @@ impl State {
         self.transmit(now);
     }
 
+    /// The stats file's next snapshot, if one is due (or `force`d at close).
+    /// Rendered under the lock, written by the caller after it lets go.
+    fn stats_due(&mut self, now: Micros, local: SocketAddr, force: bool) -> Option<(StatsFile, String)> {
+        let file = self.stats.as_ref()?;
+        if !force && now < self.stats_due {
+            return None;
+        }
+        self.stats_due = now + stats::PERIOD_US;
+        let mut io = self.io;
+        io.conns_active = self.ep.conns_active() as u64;
+        let peers = self.ep.conn_path_stats(stats::MAX_PEERS);
+        let unix_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis());
+        let json = stats::render(&Snapshot {
+            pid: std::process::id(),
+            local,
+            unix_ms,
+            uptime_us: now,
+            closed: force,
+            counters: &self.ep.counters(),
+            io: &io,
+            peers: &peers,
+        });
+        Some((file.clone(), json))
+    }
+
     fn transmit(&mut self, now: Micros) {
         let n = self.socks.len();
         let mut batches: Vec<Vec<(SocketAddr, u8, usize, usize)>> = vec![Vec::new(); n];
@@ -258,6 +289,8 @@ impl Transport {
             rx: vec![[0u8; MAX_DATAGRAM]; BATCH],
             tx: Vec::with_capacity(TX_BUDGET * 1600),
             last_error: None,
+            stats: None,
+            stats_due: 0,
         };
         for _ in 0..core.paths {
             let s = st.bind_path().map_err(|e| format!("binding UDP socket on {ip}: {e}"))?;
@@ -266,6 +299,9 @@ impl Transport {
         st.io.rcvbuf = st.socks[0].rcvbuf as u64;
         st.io.sndbuf = st.socks[0].sndbuf as u64;
         let local = st.socks[0].local;
+        if let Some(dir) = &cfg.stats_dir {
+            st.stats = Some(StatsFile::new(dir, std::process::id(), local.port())?);
+        }
         let inner = Arc::new(Inner {
             state: Mutex::new(st),
             cv: Condvar::new(),
@@ -275,6 +311,7 @@ impl Transport {
             failed: AtomicBool::new(false),
             clock0: Instant::now(),
             local,
+            stats_error: Mutex::new(None),
         });
         let thread = if cfg.progress_thread {
             let i = inner.clone();
@@ -434,6 +471,9 @@ impl Transport {
             let mut st = self.lock()?;
             st.pump(now, true);
             signal(&self.inner, &mut st);
+            let due = st.stats_due(now, self.inner.local, false);
+            drop(st);
+            publish(&self.inner, due);
             Ok(())
         }));
         r.unwrap_or_else(|_| {
@@ -489,7 +529,12 @@ impl Transport {
             }
             std::thread::sleep(Duration::from_millis(1));
         }
-        let _ = self.with(|st, _| st.ep.close());
+        let local = self.inner.local;
+        let last = self.with(|st, now| {
+            st.ep.close();
+            st.stats_due(now, local, true)
+        });
+        publish(&self.inner, last.ok().flatten());
         self.shutdown();
     }
 
@@ -518,6 +563,21 @@ fn signal(inner: &Inner, st: &mut State) {
     }
 }
 
+/// Write a snapshot; a failing write is reported once per kind of error (on
+/// stderr: the job's log), never fatal to the endpoint.
+fn publish(inner: &Inner, due: Option<(StatsFile, String)>) {
+    let Some((file, json)) = due else { return };
+    let Ok(mut last_error) = inner.stats_error.lock() else { return };
+    match file.publish(&json) {
+        Ok(()) => *last_error = None,
+        Err(e) if *last_error != Some(e.kind()) => {
+            eprintln!("metaroce: stats file {}: {e}", file.path().display());
+            *last_error = Some(e.kind());
+        }
+        Err(_) => {}
+    }
+}
+
 fn progress_loop(inner: Arc<Inner>) {
     let mut fds: Vec<libc::pollfd> = Vec::new();
     while !inner.stop.load(Ordering::Acquire) {
@@ -529,7 +589,11 @@ fn progress_loop(inner: Arc<Inner>) {
             st.io.wakeups += 1;
             fds.clear();
             fds.extend(st.socks.iter().map(|s| libc::pollfd { fd: s.raw(), events: libc::POLLIN, revents: 0 }));
-            Some(st.ep.poll_timeout(now).map_or(100_000, |t| t.saturating_sub(now)))
+            let wait = st.ep.poll_timeout(now).map_or(100_000, |t| t.saturating_sub(now));
+            let due = st.stats_due(now, inner.local, false);
+            drop(st);
+            publish(&inner, due);
+            Some(wait)
         }));
         let wait_us = match r {
             Ok(Some(t)) => t,

@@ -74,3 +74,36 @@ fn ipv6_and_jumbo_mtu() {
         assert_eq!(a.counters().unwrap().1.tx_errors, 0, "{cfg}: {:?}", a.last_io_error());
     }
 }
+
+#[test]
+fn the_stats_file_follows_the_transfer_and_marks_the_close() {
+    let dir = std::env::temp_dir().join(format!("mr-loopback-stats-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = format!("addr=127.0.0.1,paths=4,stats_dir={}", dir.display());
+    let a = Transport::open(Some(&cfg)).unwrap();
+    let b = Transport::open(Some("addr=127.0.0.1,paths=4")).unwrap();
+    let file = dir.join(format!("ep-{}-{}.json", std::process::id(), a.local_addr().port()));
+    let to_b = a.peer(b.local_addr()).unwrap();
+    let from_a = b.peer(a.local_addr()).unwrap();
+    b.recv(from_a, RecvBuf::owned(1 << 20), 1, 0, true, 1, true).unwrap();
+    a.send(to_b, SendBuf::owned(pattern(1, 1 << 20)), 1, true, None, 1, true).unwrap();
+    assert_eq!(wait_for(&b, 1, Duration::from_secs(10)).len(), 1);
+    // The progress thread publishes at least once a second.
+    let deadline = Instant::now() + Duration::from_secs(3);
+    let live = loop {
+        let text = std::fs::read_to_string(&file).unwrap_or_default();
+        if text.contains("\"msgs_sent\":1,") || Instant::now() > deadline {
+            break text;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(live.contains("\"msgs_sent\":1,") && live.contains("\"closed\":false"), "{live}");
+    assert!(live.contains(&format!("\"addr\":\"{}\"", metaroce::addr::format(&b.local_addr()))), "the peer paths: {live}");
+    a.close();
+    let last = std::fs::read_to_string(&file).unwrap();
+    assert!(last.contains("\"closed\":true"), "{last}");
+    b.close();
+    std::fs::remove_dir_all(&dir).unwrap();
+    let e = Transport::open(Some(&cfg)).err().unwrap();
+    assert!(e.contains("stats_dir="), "{e}");
+}
