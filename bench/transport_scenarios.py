@@ -9,6 +9,11 @@
                 other 3 links full, a share s gives a total of 3 / (4 (1 - s)) of a
                 4-link lossless run: below 1/8 means at most 0.857
   lossless      lossless runs, spurious retransmits among them
+  incast        4 senders at once into one receiver behind a tbf-shaped port (the
+                incast fabric): total goodput against the port's measured capacity, the
+                largest over the smallest sender's share, retransmits; with the
+                receiver's rate hint set to the port's rate (rate_mbps=, as the agent
+                would from the NIC's speed) and without it
 
 Run as root (network namespaces). Figures print as a table and go to --json.
 
@@ -149,29 +154,87 @@ def ce_share(fab: fabric.MultipathFabric, perf_bin: str, lossless_mbit: float) -
     }
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--runs", type=int, default=3, help="runs of each scenario")
-    ap.add_argument("--perf", default=str(PERF), help="the metaroce-perf binary")
-    ap.add_argument("--json", default="/tmp/transport_scenarios.json")
-    args = ap.parse_args()
-    if not Path(args.perf).is_file():
-        print(f"{args.perf} does not exist: run bash hack/build-transport.sh", file=sys.stderr)
-        return 2
-    report: dict[str, Any] = {"loadavg_start": loadavg(), "runs": []}
+def incast(inc: fabric.IncastFabric, perf_bin: str, capacity: float, hint: bool) -> dict[str, Any]:
+    """Every sender runs one metaroce-perf client for 4 s at once into one server in r."""
+    seconds = 4.0
+    cfg = f"addr={inc.addr('r')},ports=30000-30100"
+    if hint:
+        cfg += f",rate_mbps={inc.rate_mbit}"
+    senders = [r for r in inc.roles() if r.startswith("s")]
+    server = [perf_bin, "server", "--sessions", str(len(senders)), "--config", cfg]
+    srv = subprocess.Popen(
+        inc.exec_argv("r", server), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        assert srv.stdout is not None
+        line = srv.stdout.readline()
+        if "udp://" not in line:
+            raise RuntimeError(f"metaroce-perf server did not start: {line!r}")
+        url = line.split()[-1]
+        clients = {
+            r: subprocess.Popen(
+                inc.exec_argv(
+                    r,
+                    [
+                        perf_bin,
+                        "client",
+                        url,
+                        "--duration",
+                        str(seconds),
+                        "--window",
+                        "32",
+                        "--json",
+                        "--config",
+                        f"addr={inc.addr(r)},ports=31000-31100",
+                    ],
+                ),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for r in senders
+        }
+        docs: dict[str, dict[str, Any]] = {}
+        for r, c in clients.items():
+            out, err = c.communicate(timeout=seconds + 60)
+            lines = [x for x in out.splitlines() if x.startswith("{")]
+            if c.returncode != 0 or not lines:
+                raise RuntimeError(f"metaroce-perf client in {r} failed: {err[-800:]}")
+            docs[r] = json.loads(lines[-1])
+        srv.wait(timeout=30)
+    finally:
+        if srv.poll() is None:
+            srv.kill()
+            srv.wait()
+    per = {r: float(d["goodput_mbit"]) for r, d in docs.items()}
+    total = sum(per.values())
+    sent = sum(int(d["packets_sent"]) for d in docs.values())
+    retx = sum(int(d["retransmits"]) for d in docs.values())
+    return {
+        "rate_hint_mbit": inc.rate_mbit if hint else 0,
+        "per_sender_mbit": per,
+        "total_mbit": total,
+        "total_of_capacity": total / capacity,
+        "share_max_over_min": max(per.values()) / min(per.values()) if min(per.values()) else None,
+        "retransmits_of_sent": retx / sent if sent else None,
+    }
+
+
+def multipath_scenarios(runs: int, perf_bin: str, report: dict[str, Any]) -> None:
+    report["runs"] = []
     with fabric.MultipathFabric(name=fabric.new_name("mrfs")) as fab:
         cap = fab.capacity(seconds=3.0)
         capacity = float(cap["total_mbit"])
         report["capacity_mbit"] = capacity
-        for i in range(args.runs):
-            lossless = perf(fab, args.perf, 4.0)
+        for i in range(runs):
+            lossless = perf(fab, perf_bin, 4.0)
             g = lossless["goodput_gbps"] * 1000
             row = {
                 "lossless_mbit": g,
                 "lossless_of_capacity": g / capacity,
                 "spurious_of_sent": lossless["spurious_retransmits"] / lossless["packets_sent"],
-                "link_failure": link_failure(fab, args.perf),
-                "ce_share": ce_share(fab, args.perf, g),
+                "link_failure": link_failure(fab, perf_bin),
+                "ce_share": ce_share(fab, perf_bin, g),
                 "loadavg": loadavg(),
             }
             report["runs"].append(row)
@@ -187,6 +250,44 @@ def main() -> int:
                 f" | load {row['loadavg']}",
                 flush=True,
             )
+
+
+def incast_scenarios(runs: int, perf_bin: str, report: dict[str, Any]) -> None:
+    with fabric.IncastFabric(name=fabric.new_name("mrfi")) as inc:
+        cap = float(inc.capacity()["total_mbit"])
+        report["incast_capacity_mbit"] = cap
+        report["incast"] = []
+        for i in range(runs):
+            for hint in (True, False):
+                row = incast(inc, perf_bin, cap, hint) | {"loadavg": loadavg()}
+                report["incast"].append(row)
+                per = ", ".join(f"{v:.0f}" for v in row["per_sender_mbit"].values())
+                print(
+                    f"incast run {i + 1}, rate hint {row['rate_hint_mbit'] or 'off'}: total "
+                    f"{row['total_mbit']:.0f} Mbit/s = {row['total_of_capacity']:.3f} of the "
+                    f"port's {cap:.0f}; senders {per} (max/min {row['share_max_over_min']:.2f}); "
+                    f"retransmits {row['retransmits_of_sent']:.4f} | load {row['loadavg']}",
+                    flush=True,
+                )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=3, help="runs of each scenario")
+    ap.add_argument("--perf", default=str(PERF), help="the metaroce-perf binary")
+    ap.add_argument("--json", default="/tmp/transport_scenarios.json")
+    ap.add_argument(
+        "--only", choices=["multipath", "incast"], help="run one fabric's scenarios only"
+    )
+    args = ap.parse_args()
+    if not Path(args.perf).is_file():
+        print(f"{args.perf} does not exist: run bash hack/build-transport.sh", file=sys.stderr)
+        return 2
+    report: dict[str, Any] = {"loadavg_start": loadavg()}
+    if args.only != "incast":
+        multipath_scenarios(args.runs, args.perf, report)
+    if args.only != "multipath":
+        incast_scenarios(args.runs, args.perf, report)
     report["loadavg_end"] = loadavg()
     Path(args.json).write_text(json.dumps(report, indent=1))
     print(f"report: {args.json}")

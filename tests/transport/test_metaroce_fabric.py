@@ -179,3 +179,31 @@ def test_random_bytes_at_the_ports_corrupt_nothing_and_are_counted(
     # What the sprayers sent before the endpoints bound or after they closed the
     # kernel dropped; the rest reached a socket and is counted.
     assert dropped > 0.6 * sum(sprayed), (sprayed, [s["counters"] for s in snaps])
+
+
+def test_metaroce_perf_serves_incast_senders_at_once() -> None:
+    """One metaroce-perf server, three clients sending into it at once through the incast
+    fabric's shaped port (the figures are bench/transport_scenarios.py's): every session
+    completes, the server exits after the three, and no sender is starved."""
+    perf = str(RELEASE / "metaroce-perf")
+    with fabric.IncastFabric(name=fabric.new_name("mrft"), senders=3) as inc:
+        cfg = f"addr={inc.addr('r')},ports=30000-30100,rate_mbps={inc.rate_mbit}"
+        srv = subprocess.Popen(
+            inc.exec_argv("r", [perf, "server", "--sessions", "3", "--config", cfg]),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        assert srv.stdout is not None
+        url = srv.stdout.readline().split()[-1]
+
+        def client(s: str) -> subprocess.Popen[str]:
+            argv = [perf, "client", url, "--duration", "2", "--json"]
+            argv += ["--config", f"addr={inc.addr(s)},ports=31000-31100"]
+            return subprocess.Popen(inc.exec_argv(s, argv), stdout=subprocess.PIPE, text=True)
+
+        clients = [client(s) for s in ("s1", "s2", "s3")]
+        docs = [json.loads(c.communicate(timeout=60)[0].splitlines()[-1]) for c in clients]
+        assert srv.wait(timeout=30) == 0, srv.stdout.read()
+    rates = [float(d["goodput_mbit"]) for d in docs]
+    assert all(c.returncode == 0 for c in clients)
+    assert min(rates) > 0.2 * max(rates), rates
+    assert sum(rates) > 0.5 * inc.rate_mbit, rates

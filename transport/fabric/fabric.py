@@ -759,6 +759,35 @@ class IncastFabric(Fabric):
             sh(["ip", "-n", n, "addr", "add", f"{self.addr(role)}/24", "dev", "eth0"])
         sh(["tc", "-n", sw, "qdisc", "add", "dev", "pr", *tbf_args(self.rate_mbit)])
 
+    def capacity(self, seconds: float = 3.0, payload: int = 1472) -> dict[str, Any]:
+        """The shaped port's measured capacity: an iperf3 UDP flood from s1 to r offered
+        1.3x the tbf rate, the RECEIVED payload rate (Mbit/s of UDP payload: what a
+        transport's goodput is compared with)."""
+        port = 5301
+        server = subprocess.Popen(
+            self.exec_argv("r", ["iperf3", "-s", "-1", "-J", "-p", str(port),
+                                 "-B", self.addr("r")]),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            time.sleep(0.5)
+            flood = ["iperf3", "-u", "-J", "-c", self.addr("r"), "-p", str(port),
+                     "-B", self.addr("s1"), "-l", str(payload),
+                     "-b", f"{int(self.rate_mbit * 1.3)}M", "-t", str(seconds)]  # fmt: skip
+            sh(self.exec_argv("s1", flood))
+            out, _ = server.communicate(timeout=30)
+        finally:
+            if server.poll() is None:
+                server.kill()
+                server.wait()
+        doc = json.loads(out)
+        if "error" in doc:
+            raise FabricError(f"iperf3 server in r: {doc['error']}")
+        summ = doc["end"]["sum"]
+        got = (summ["packets"] - summ["lost_packets"]) * payload * 8 / summ["seconds"] / 1e6
+        return {"payload_bytes": payload, "seconds": seconds, "total_mbit": got,
+                "configured_mbit": self.rate_mbit}  # fmt: skip
+
 
 def attach(name: str) -> Fabric:
     """A Fabric object for an existing fabric (made by another process), by its namespaces."""

@@ -1,7 +1,7 @@
 //! metaroce-perf: bandwidth and latency between two hosts over the MetaRoCE
 //! transport, printed like perftest's ib_write_bw (or as JSON).
 //!
-//!   metaroce-perf server [--config K=V,...] [--once]
+//!   metaroce-perf server [--config K=V,...] [--once | --sessions N]   (clients served at once)
 //!   metaroce-perf client SERVER [--mode bw|lat] [--size BYTES] [--duration SECONDS]
 //!                        [--iters N] [--window N] [--config K=V,...] [--json]
 //!                        [--bins-ms MS]   (bw: goodput per MS-long bin, in the JSON)
@@ -33,12 +33,13 @@ struct Args {
     window: usize,
     config: Option<String>,
     json: bool,
-    once: bool,
+    /// Server: exit after this many sessions ended (0: serve forever).
+    sessions: u64,
     bins_ms: u64,
 }
 
 fn usage() -> String {
-    "usage: metaroce-perf server [--config K=V,...] [--once]\n       metaroce-perf client SERVER [--mode bw|lat] [--size BYTES] [--duration SECONDS] [--iters N] [--window N] [--config K=V,...] [--json] [--bins-ms MS]".into()
+    "usage: metaroce-perf server [--config K=V,...] [--once | --sessions N]\n       metaroce-perf client SERVER [--mode bw|lat] [--size BYTES] [--duration SECONDS] [--iters N] [--window N] [--config K=V,...] [--json] [--bins-ms MS]".into()
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -57,7 +58,7 @@ fn parse_args() -> Result<Args, String> {
         window: 16,
         config: None,
         json: false,
-        once: false,
+        sessions: 0,
         bins_ms: 0,
     };
     while let Some(k) = it.next() {
@@ -86,7 +87,13 @@ fn parse_args() -> Result<Args, String> {
                     return Err("--bins-ms: 1..60000 milliseconds per bin".into());
                 }
             }
-            "--once" => a.once = true,
+            "--once" => a.sessions = 1,
+            "--sessions" => {
+                a.sessions = val("--sessions")?.parse().map_err(|_| "--sessions: a count of client sessions".to_string())?;
+                if a.sessions == 0 {
+                    return Err("--sessions: at least 1 (leave it out to serve forever)".into());
+                }
+            }
             s if !s.starts_with('-') && a.role == "client" && a.server.is_none() => a.server = Some(s.to_string()),
             s => return Err(format!("unknown argument {s:?}\n{}", usage())),
         }
@@ -132,63 +139,129 @@ fn kv(s: &str) -> HashMap<String, String> {
     s.split_whitespace().filter_map(|p| p.split_once('=')).map(|(k, v)| (k.to_string(), v.to_string())).collect()
 }
 
+/// One client's test on the server: its receives in flight and what it moved.
+struct Session {
+    id: u64,
+    size: usize,
+    lat: bool,
+    posted: u64,
+    bytes: u64,
+    last_seen: Instant,
+    c0: metaroce::Counters,
+}
+
+/// Receive contexts: the session in the high half, a running count in the low.
+fn ctx(session: u64, n: u64) -> u64 {
+    (session << 32) | (n & 0xffff_ffff)
+}
+const CTX_HELLO: u64 = 1;
+const CTX_END: u64 = 2;
+const CTX_DATA0: u64 = 100;
+/// A session whose client sent nothing for this long is dropped (the client died).
+const SESSION_IDLE: Duration = Duration::from_secs(60);
+
+/// Serves clients concurrently (each HELLO opens a session for its peer), so several
+/// clients can send into one server at once (incast). With --once (--sessions 1) or
+/// --sessions N it exits after N sessions have ended. The STATS reply's dup/ce/gaps
+/// figures are the endpoint's over the session: shared when sessions overlap.
 fn server(a: &Args) -> Result<(), String> {
     let t = Transport::open(a.config.as_deref())?;
     println!("metaroce-perf server listening on {}", addr::format(&t.local_addr()));
-    let mut pending = Vec::new();
+    let e = |e: metaroce::Error| format!("{e:?}");
+    let mut sessions: HashMap<u64, Session> = HashMap::new();
+    let mut next_id = 1u64;
+    let mut ended = 0u64;
+    t.recv(ANY_PEER, RecvBuf::owned(CTRL_LEN), TAG_HELLO, 0, true, CTX_HELLO, true).map_err(e)?;
     loop {
-        t.recv(ANY_PEER, RecvBuf::owned(CTRL_LEN), TAG_HELLO, 0, true, 1, true).map_err(|e| format!("{e:?}"))?;
-        let hello = wait_one(&t, &mut pending, |c| c.kind == OpKind::Recv && c.tag == TAG_HELLO, Duration::from_secs(365 * 86400))?;
-        let peer = hello.peer;
-        let p = kv(&text(hello));
-        let size: usize = p.get("size").and_then(|s| s.parse().ok()).unwrap_or(0);
-        let window: usize = p.get("window").and_then(|s| s.parse().ok()).unwrap_or(16).clamp(1, 1024);
-        let lat = p.get("mode").map(|m| m == "lat").unwrap_or(false);
-        let (c0, _) = t.counters().map_err(|e| format!("{e:?}"))?;
-        let mut posted = 0u64;
-        let post = |ctx: u64| t.recv(peer, RecvBuf::owned(size), TAG_DATA, 0, true, ctx, true).map_err(|e| format!("{e:?}"));
-        for _ in 0..if lat { 1 } else { window } {
-            post(100 + posted)?;
-            posted += 1;
-        }
-        t.recv(peer, RecvBuf::owned(CTRL_LEN), TAG_END, 0, true, 2, true).map_err(|e| format!("{e:?}"))?;
-        ctrl(&t, peer, TAG_READY, "ready")?;
-        let mut bytes = 0u64;
-        loop {
-            let c = wait_one(&t, &mut pending, |c| c.kind == OpKind::Recv, Duration::from_secs(60))?;
+        t.wait(Some(Duration::from_millis(100))).map_err(e)?;
+        for c in t.poll(256).map_err(e)? {
+            if c.kind != OpKind::Recv {
+                continue;
+            }
+            let peer = c.peer;
+            if c.tag == TAG_HELLO {
+                t.recv(ANY_PEER, RecvBuf::owned(CTRL_LEN), TAG_HELLO, 0, true, CTX_HELLO, true).map_err(e)?;
+                let p = kv(&text(c));
+                let size: usize = p.get("size").and_then(|s| s.parse().ok()).unwrap_or(0);
+                if size > 1 << 30 || sessions.contains_key(&peer) {
+                    eprintln!("metaroce-perf server: HELLO from {peer} refused (size {size}, at most 1 GiB; one session per peer)");
+                    continue;
+                }
+                let window: u64 = p.get("window").and_then(|s| s.parse().ok()).unwrap_or(16).clamp(1, 1024);
+                let lat = p.get("mode").is_some_and(|m| m == "lat");
+                let (c0, _) = t.counters().map_err(e)?;
+                let mut s = Session { id: next_id, size, lat, posted: 0, bytes: 0, last_seen: Instant::now(), c0 };
+                next_id += 1;
+                for _ in 0..if lat { 1 } else { window } {
+                    t.recv(peer, RecvBuf::owned(size), TAG_DATA, 0, true, ctx(s.id, CTX_DATA0 + s.posted), true).map_err(e)?;
+                    s.posted += 1;
+                }
+                t.recv(peer, RecvBuf::owned(CTRL_LEN), TAG_END, 0, true, ctx(s.id, CTX_END), true).map_err(e)?;
+                ctrl(&t, peer, TAG_READY, "ready")?;
+                sessions.insert(peer, s);
+                continue;
+            }
+            let Some(s) = sessions.get_mut(&peer) else { continue };
+            if c.context >> 32 != s.id {
+                continue; // a canceled receive of an earlier session of this peer
+            }
+            s.last_seen = Instant::now();
             if c.tag == TAG_END {
-                break;
+                let s = sessions.remove(&peer).expect("present");
+                end_session(&t, peer, &s)?;
+                ended += 1;
+                continue;
             }
-            if let Some(e) = c.err {
-                return Err(format!("receive failed: {e:?}"));
+            if let Some(err) = c.err {
+                eprintln!("metaroce-perf server: a receive from {peer} failed ({err:?}): session dropped");
+                let s = sessions.remove(&peer).expect("present");
+                cancel_session(&t, &s);
+                continue;
             }
-            bytes += c.len;
-            if lat {
-                t.send(peer, SendBuf::owned(vec![0x5a; size]), TAG_PONG, true, None, 0, false).map_err(|e| format!("{e:?}"))?;
+            s.bytes += c.len;
+            if s.lat {
+                t.send(peer, SendBuf::owned(vec![0x5a; s.size]), TAG_PONG, true, None, 0, false).map_err(e)?;
             }
-            post(100 + posted)?;
-            posted += 1;
+            let n = ctx(s.id, CTX_DATA0 + s.posted);
+            s.posted += 1;
+            t.recv(peer, RecvBuf::owned(s.size), TAG_DATA, 0, true, n, true).map_err(e)?;
         }
-        let _ = t.cancel(100 + posted - 1);
-        for i in 0..posted {
-            let _ = t.cancel(100 + i);
-        }
-        let (c1, _) = t.counters().map_err(|e| format!("{e:?}"))?;
-        let stats = format!(
-            "bytes={bytes} dup={} ce={} gaps={} drops={}",
-            c1.dup_rcvd - c0.dup_rcvd,
-            c1.ce_rcvd - c0.ce_rcvd,
-            c1.gaps_seen - c0.gaps_seen,
-            (c1.drops_crc + c1.drops_malformed + c1.drops_unknown_conn) - (c0.drops_crc + c0.drops_malformed + c0.drops_unknown_conn)
-        );
-        ctrl(&t, peer, TAG_STATS, &stats)?;
-        pending.retain(|c| c.kind != OpKind::Recv || c.err.is_none());
-        if a.once {
+        sessions.retain(|peer, s| {
+            let alive = s.last_seen.elapsed() < SESSION_IDLE;
+            if !alive {
+                eprintln!("metaroce-perf server: client {peer} silent for {SESSION_IDLE:?}: session dropped");
+                cancel_session(&t, s);
+            }
+            alive
+        });
+        if a.sessions > 0 && ended >= a.sessions && sessions.is_empty() {
             std::thread::sleep(Duration::from_millis(100));
             t.close();
             return Ok(());
         }
     }
+}
+
+fn cancel_session(t: &Transport, s: &Session) {
+    for i in 0..s.posted {
+        let _ = t.cancel(ctx(s.id, CTX_DATA0 + i));
+    }
+    let _ = t.cancel(ctx(s.id, CTX_END));
+}
+
+fn end_session(t: &Transport, peer: u64, s: &Session) -> Result<(), String> {
+    cancel_session(t, s);
+    let (c1, _) = t.counters().map_err(|e| format!("{e:?}"))?;
+    let c0 = &s.c0;
+    let stats = format!(
+        "bytes={} dup={} ce={} gaps={} drops={}",
+        s.bytes,
+        c1.dup_rcvd - c0.dup_rcvd,
+        c1.ce_rcvd - c0.ce_rcvd,
+        c1.gaps_seen - c0.gaps_seen,
+        (c1.drops_crc + c1.drops_malformed + c1.drops_unknown_conn) - (c0.drops_crc + c0.drops_malformed + c0.drops_unknown_conn)
+    );
+    ctrl(t, peer, TAG_STATS, &stats)
 }
 
 /// A message of `size` bytes completed now: add it to its bin (bytes per bin).
