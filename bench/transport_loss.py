@@ -193,6 +193,7 @@ def allreduce(
     idle_timeout: float,
     path: str | None,
     keep_going: bool = False,
+    ranks_per_ns: int = 2,
 ) -> list[dict[str, Any]]:
     """One job for all sizes (each size prints a line); a size that prints nothing for
     `idle_timeout` s is reported stalled; the sizes after it are restarted in a new job
@@ -206,7 +207,7 @@ def allreduce(
             fab,
             prov,
             argv,
-            ranks_per_ns=2,
+            ranks_per_ns=ranks_per_ns,
             timeout=idle_timeout * (len(todo) + 1) + 60,
             provider_path=path,
             idle_timeout=idle_timeout,
@@ -345,6 +346,12 @@ def main() -> int:
     ap.add_argument("--allreduce-losses", default="0,1")
     ap.add_argument("--allreduce-budget", type=float, help="seconds of iterations per size")
     ap.add_argument(
+        "--allreduce-ranks-per-ns",
+        type=int,
+        default=2,
+        help="ranks in each namespace (2: 4 ranks; 1 leaves this 2-core host a core per rank)",
+    )
+    ap.add_argument(
         "--allreduce-idle-timeout",
         type=float,
         help="a size with no result this long is stalled (default 200, quick 60)",
@@ -391,6 +398,7 @@ def main() -> int:
         "quick": q,
         "loadavg_start": loadavg(),
         "arms": arms,
+        "allreduce_ranks": 2 * args.allreduce_ranks_per_ns,
     }
 
     with fabric.MultipathFabric(name=fabric.new_name("mrfb")) as fab:
@@ -454,7 +462,14 @@ def main() -> int:
                 fab.set_impairments([fabric.Impairment("drop", per)] if per else [])
                 ar[a][f"{pct:g}%"] = {
                     "rows": allreduce(
-                        fab, prov, sizes, ar_budget, ar_idle, path_of[a], args.allreduce_keep_going
+                        fab,
+                        prov,
+                        sizes,
+                        ar_budget,
+                        ar_idle,
+                        path_of[a],
+                        args.allreduce_keep_going,
+                        args.allreduce_ranks_per_ns,
                     ),
                     "loadavg": loadavg(),
                 }

@@ -760,33 +760,45 @@ class IncastFabric(Fabric):
         sh(["tc", "-n", sw, "qdisc", "add", "dev", "pr", *tbf_args(self.rate_mbit)])
 
     def capacity(self, seconds: float = 3.0, payload: int = 1472) -> dict[str, Any]:
-        """The shaped port's measured capacity: an iperf3 UDP flood from s1 to r offered
-        1.3x the tbf rate, the RECEIVED payload rate (Mbit/s of UDP payload: what a
-        transport's goodput is compared with)."""
-        port = 5301
-        server = subprocess.Popen(
-            self.exec_argv("r", ["iperf3", "-s", "-1", "-J", "-p", str(port),
-                                 "-B", self.addr("r")]),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
+        """The shaped port's measured capacity: one iperf3 UDP flood from every sender at
+        once (together offered 1.3x the tbf rate), the RECEIVED payload rate in total
+        (Mbit/s of UDP payload: what a transport's goodput is compared with). As many
+        sending processes as an incast run has, so a busy host limits both alike."""
+        senders = self.roles()[2:]
+        offered = int(self.rate_mbit * 1.3 / len(senders)) + 1
+        servers: dict[str, subprocess.Popen[str]] = {}
+        clients: list[subprocess.Popen[str]] = []
         try:
+            for i, role in enumerate(senders):
+                servers[role] = subprocess.Popen(
+                    self.exec_argv("r", ["iperf3", "-s", "-1", "-J", "-p", str(5301 + i),
+                                         "-B", self.addr("r")]),
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                )  # fmt: skip
             time.sleep(0.5)
-            flood = ["iperf3", "-u", "-J", "-c", self.addr("r"), "-p", str(port),
-                     "-B", self.addr("s1"), "-l", str(payload),
-                     "-b", f"{int(self.rate_mbit * 1.3)}M", "-t", str(seconds)]  # fmt: skip
-            sh(self.exec_argv("s1", flood))
-            out, _ = server.communicate(timeout=30)
+            for i, role in enumerate(senders):
+                flood = ["iperf3", "-u", "-J", "-c", self.addr("r"), "-p", str(5301 + i),
+                         "-B", self.addr(role), "-l", str(payload),
+                         "-b", f"{offered}M", "-t", str(seconds)]  # fmt: skip
+                argv = self.exec_argv(role, flood)
+                clients.append(subprocess.Popen(argv, stdout=subprocess.PIPE, text=True))
+            per: dict[str, float] = {}
+            for c in clients:
+                c.communicate(timeout=seconds + 30)
+            for role, srv in servers.items():
+                doc = json.loads(srv.communicate(timeout=30)[0])
+                if "error" in doc:
+                    raise FabricError(f"iperf3 server for {role}: {doc['error']}")
+                summ = doc["end"]["sum"]
+                got = (summ["packets"] - summ["lost_packets"]) * payload * 8
+                per[role] = got / summ["seconds"] / 1e6
         finally:
-            if server.poll() is None:
-                server.kill()
-                server.wait()
-        doc = json.loads(out)
-        if "error" in doc:
-            raise FabricError(f"iperf3 server in r: {doc['error']}")
-        summ = doc["end"]["sum"]
-        got = (summ["packets"] - summ["lost_packets"]) * payload * 8 / summ["seconds"] / 1e6
-        return {"payload_bytes": payload, "seconds": seconds, "total_mbit": got,
-                "configured_mbit": self.rate_mbit}  # fmt: skip
+            for p in (*servers.values(), *clients):
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        return {"payload_bytes": payload, "seconds": seconds, "per_sender_mbit": per,
+                "total_mbit": sum(per.values()), "configured_mbit": self.rate_mbit}  # fmt: skip
 
 
 def attach(name: str) -> Fabric:
