@@ -399,9 +399,12 @@ impl Path {
     /// sent after the timeout arrives, so a cumulative point of exactly `hi` is
     /// only proof when no later packet is SACKed (none of them had arrived).
     fn timeout_was_spurious(t: &TimedOut, entry: &AckEntry) -> bool {
-        let cum_in = entry.cum.wrapping_sub(t.lo).wrapping_sub(1) < t.hi.wrapping_sub(t.lo);
-        let cum_at_hi_alone = entry.cum == t.hi && sack::sacked(entry).next().is_none();
-        let sacked_in = sack::sacked(entry).any(|psn| psn.wrapping_sub(t.lo) < t.hi.wrapping_sub(t.lo));
+        let span = t.hi.wrapping_sub(t.lo);
+        let cum_in = entry.cum.wrapping_sub(t.lo).wrapping_sub(1) < span;
+        // One pass over the SACK bits: whether any is set, and whether one is in range.
+        let (any_sacked, sacked_in) =
+            sack::sacked(entry).fold((false, false), |(_, inside), psn| (true, inside || psn.wrapping_sub(t.lo) < span));
+        let cum_at_hi_alone = entry.cum == t.hi && !any_sacked;
         cum_in && entry.cum != t.hi || cum_at_hi_alone && t.hi != t.lo || sacked_in
     }
 
