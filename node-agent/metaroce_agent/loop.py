@@ -202,7 +202,7 @@ class Agent:
         plan = self.state.plan
         if plan is None:
             return []
-        return sorted({(d.rdma_device, d.netdev) for d in plan.devices})
+        return sorted({(d.rdma_device, d.netdev) for d in plan.devices if d.rdma_device})
 
     @property
     def drift_seconds(self) -> float:

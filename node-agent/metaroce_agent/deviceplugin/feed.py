@@ -22,13 +22,10 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from metaroce_agent.deviceplugin.devices import PluginDevice
-from metaroce_agent.discover import Inventory
+from metaroce_agent.discover import NETDEV_DOWN, Inventory
 from metaroce_agent.plan import Plan
 from metaroce_agent.transport.base import select_gid
 from metaroce_api import AgentConfig
-
-NETDEV_DOWN = frozenset({"down", "lowerlayerdown", "notpresent"})
-"""Operstates that mean no traffic (`unknown` is what virtual netdevs report when up)."""
 
 
 def plugin_devices(
