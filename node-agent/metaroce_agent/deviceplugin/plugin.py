@@ -453,6 +453,14 @@ class _Servicer:
                         )
                         for d in got.devices
                     ],
+                    mounts=[
+                        api_pb2.Mount(
+                            container_path=m.container_path,
+                            host_path=m.host_path,
+                            read_only=m.read_only,
+                        )
+                        for m in got.mounts
+                    ],
                 )
             )
         return api_pb2.AllocateResponse(container_responses=responses)

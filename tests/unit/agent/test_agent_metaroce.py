@@ -242,3 +242,24 @@ def test_port_range_marking_apply_verify_undo(node) -> None:  # type: ignore[no-
     assert "want 21000-22999" in (wider.verify(n.host) or "")
     dst.undo(n.host, None)
     assert dst.verify(n.host) is not None and src.verify(n.host) is None
+
+
+def test_device_plugin_gets_one_unit_per_netdev_with_the_library(node, image) -> None:  # type: ignore[no-untyped-def]
+    from metaroce_agent.deviceplugin.feed import plugin_devices
+
+    n = node(softroce_node)
+    n.tree.netdev("eth9", virtio=True, speed=None)  # no address: advertised unhealthy
+    cfg = make_config(nics={"interfaceNames": ["eth0", "eth9"]}, transport=METAROCE, qos=LOSSY)
+    inv = n.inventory()
+    plan = make_plan(cfg, inv, n.caps(cfg, inv))
+    assert plan.library is not None
+    devs = plugin_devices(cfg, inv, plan, applied=True)
+    assert [(d.rdma_device, d.healthy, d.library_dir) for d in devs] == [
+        ("eth0", True, plan.library.directory),
+        ("eth9", False, plan.library.directory),
+    ]
+    env = dict(devs[0].env)
+    assert env["MR_CONFIG"].startswith("ports=21000-21999,") and "dscp=26" in env["MR_CONFIG"]
+    assert env["MR_TRANSPORT_CHECKSUM"] == plan.library.checksum
+    # a failed read-back of the library (node-wide) makes every unit unhealthy
+    assert not any(d.healthy for d in plugin_devices(cfg, inv, plan, applied=True, failing=[""]))
