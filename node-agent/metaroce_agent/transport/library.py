@@ -45,7 +45,7 @@ NCCL_CHECK = "bin/nccl-net-check"
 FI_SELFTEST = "bin/metaroce-fi-selftest"
 FILES = (PROVIDER, NCCL_PLUGIN, PERF, NCCL_CHECK, FI_SELFTEST)
 SUMS = "SHA256SUMS"
-SELFTEST_TIMEOUT_S = 60.0
+SELFTEST_TIMEOUT_S = 120.0
 
 
 def image_dir() -> str:

@@ -23,7 +23,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-TIMEOUT_S = 20
+TIMEOUT_S = 30
 
 
 class SelfTestError(RuntimeError):
@@ -52,7 +52,7 @@ def nccl_plugin(root: Path) -> str:
     port = _free_port()
     env = _env(LD_LIBRARY_PATH=str(lib), MR_NCCL_IFNAME="=lo", MR_CONFIG="addr=127.0.0.1")
     argv = [str(root / "bin/nccl-net-check"), "--bootstrap", f"127.0.0.1:{port}"]
-    argv += ["--ifname", "lo", "--bulk-mib", "4", "--timeout", str(TIMEOUT_S)]
+    argv += ["--ifname", "lo", "--bulk-mib", "1", "--timeout", str(TIMEOUT_S)]
     procs = [
         subprocess.Popen(
             [*argv, "--rank", str(rank)],
@@ -77,7 +77,7 @@ def nccl_plugin(root: Path) -> str:
     rate = re.search(r"([\d.]+) Mbit/s received", outs[0])
     loaded = re.search(r"loaded (ncclNetPlugin_v\d+)", outs[0])
     return (
-        f"NCCL plugin {loaded.group(1) if loaded else '?'}: 4 MiB each way on lo "
+        f"NCCL plugin {loaded.group(1) if loaded else '?'}: 1 MiB each way on lo "
         f"({rate.group(1) if rate else '?'} Mbit/s)"
     )
 
@@ -127,7 +127,7 @@ def perf(root: Path) -> str:
                 "--mode",
                 "lat",
                 "--iters",
-                "200",
+                "50",
                 "--config",
                 "addr=127.0.0.1",
             ],
@@ -139,7 +139,7 @@ def perf(root: Path) -> str:
         )
         if res.returncode != 0:
             raise SelfTestError(f"metaroce-perf client: {_tail(res.stderr + res.stdout)}")
-        return "metaroce-perf: 200 round trips on 127.0.0.1"
+        return "metaroce-perf: 50 round trips on 127.0.0.1"
     except subprocess.TimeoutExpired:
         raise SelfTestError("metaroce-perf client hung") from None
     finally:
