@@ -698,7 +698,7 @@ def test_5_metaroce_network_rolls_out_and_pods_get_the_library(
             "metaroce NodeStates Ready on both nodes",
             lambda: (
                 sorted(
-                    s["spec"]["nodeName"]
+                    s["spec"]["node"]
                     for s in _mr_states(kube)
                     if s.get("status", {}).get("phase") == "Ready"
                 )
