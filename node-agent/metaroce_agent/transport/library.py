@@ -284,3 +284,46 @@ class MetaRoceLibraryStep(Step):
             )
         if isinstance(snapshot, dict) and snapshot.get("existed") is False:
             host.rmdir(net_dir)
+
+
+# --- versions no pod holds -------------------------------------------------------------------
+
+ALLOCATIONS_FILE = "metaroce-allocations.json"
+"""In the agent's state directory of the network: `{unit id: library directory}` of the
+last `Allocate` of each unit, which the kubelet re-uses on container restarts."""
+
+
+def versions_to_remove(
+    installed: list[str],
+    current: str,
+    allocations: dict[str, str],
+    allocated: set[str],
+) -> tuple[list[str], str]:
+    """The installed version directories nothing needs any more, and why others stay.
+
+    A version stays while a unit a pod holds now was last allocated with it; a held unit
+    with no record (the record was lost) keeps every version, to be safe."""
+    unknown = sorted(u for u in allocated if u not in allocations)
+    if unknown:
+        return [], f"units {', '.join(unknown)} are held with no record of their version"
+    needed = {current} | {allocations[u] for u in allocated}
+    return [d for d in installed if d not in needed], ""
+
+
+def remove_unused_versions(
+    host: Host, network: str, current: str, allocations: dict[str, str], allocated: set[str]
+) -> tuple[list[str], list[str]]:
+    """Remove the network's versions no pod holds (nor maps): (removed, why others stay)."""
+    net_dir = f"{HOST_ROOT}/{network}"
+    installed = [f"{net_dir}/{name}" for name in host.listdir(net_dir) if not name.startswith(".")]
+    candidates, why = versions_to_remove(installed, current, allocations, allocated)
+    notes = [why] if why else []
+    removed = []
+    for version in candidates:
+        users = mapped_by(host, version)
+        if users:
+            notes.append(f"{version} is still mapped by {', '.join(map(str, sorted(users)))}")
+            continue
+        _remove_tree(host.path(version))
+        removed.append(version)
+    return removed, notes

@@ -805,6 +805,32 @@ def test_5_metaroce_network_rolls_out_and_pods_get_the_library(
             server.kill()
             server.wait()
 
+        if real is not None and real.guests is not None:
+            # a version no pod holds goes once an agent passes again (here: a rollout); the
+            # one the pods were handed stays (the kubelet's PodResources, the agent's record)
+            stale = f"{MR_LIBDIR}/0.0.0-stale"
+            for g in real.guests:
+                g.run(f"cp -a {library['directory']} {stale}", check=True)
+            kube.kubectl(
+                "patch", "metarocenetwork", MR_NETWORK, "--type=merge",
+                "-p", '{"spec":{"agent":{"logLevel":"debug"}}}',
+            )  # fmt: skip
+
+            def swept() -> bool:
+                listings = [g.run(f"ls {MR_LIBDIR}", check=True).stdout for g in real.guests]
+                return all("0.0.0-stale" not in ls for ls in listings)
+
+            took = _wait("the unused library version removed on both nodes", swept, 300)
+            figures.append(f"metaroce: an unused library version removed {took:.1f} s after")
+            for g in real.guests:
+                assert g.run(f"test -d {library['directory']}").returncode == 0, g.name
+                records = g.run(
+                    f"cat /run/metaroce/agent/{MR_NETWORK}/metaroce-allocations.json", check=True
+                ).stdout
+                assert library["directory"] in records, (g.name, records)
+            for name in names:  # the pods still run on their version
+                assert "libmetaroce-fi.so" in run(name, "ls /opt/metaroce-transport/lib")
+
         kube.kubectl("delete", "namespace", MR_POD_NAMESPACE, "--wait=true", timeout=240)
     finally:
         kube.kubectl("delete", "namespace", MR_POD_NAMESPACE, "--ignore-not-found", check=False)

@@ -263,3 +263,27 @@ def test_device_plugin_gets_one_unit_per_netdev_with_the_library(node, image) ->
     assert env["MR_TRANSPORT_CHECKSUM"] == plan.library.checksum
     # a failed read-back of the library (node-wide) makes every unit unhealthy
     assert not any(d.healthy for d in plugin_devices(cfg, inv, plan, applied=True, failing=[""]))
+
+
+def test_unused_versions_are_removed_held_and_mapped_ones_stay(node, image) -> None:  # type: ignore[no-untyped-def]
+    from metaroce_agent.transport.library import remove_unused_versions
+
+    n = node(softroce_node)
+    host = _host(n)
+    bundle, _ = read_bundle()
+    assert bundle is not None
+    dirs = []
+    for version in ("0.0.1", "0.0.2", "0.0.3"):
+        step = MetaRoceLibraryStep(
+            "", source=bundle.source, version=version, checksum=bundle.checksum,
+            sums=bundle.sums, network="net-d",
+        )  # fmt: skip
+        step.apply(host)
+        dirs.append(step.directory)
+    old, held, current = dirs
+    removed, notes = remove_unused_versions(host, "net-d", current, {"eth0-0": held}, {"eth0-0"})
+    assert removed == [old] and notes == []
+    assert not host.exists(old) and host.exists(held) and host.exists(current)
+    # a held unit with no record keeps everything
+    removed, notes = remove_unused_versions(host, "net-d", current, {}, {"eth0-1"})
+    assert removed == [] and "eth0-1" in notes[0]

@@ -254,7 +254,17 @@ def test_metaroce_units_mount_the_library_read_only_with_the_env(
         )
         for nd in ("eth1", "eth2")
     ]
-    plugin = make_plugin(sockdir, pods_per_device=4)
+    recorded: list[tuple[tuple[str, ...], str]] = []
+    plugin = DevicePlugin(
+        PluginConfig(
+            resource_name=RESOURCE,
+            pods_per_device=4,
+            socket_dir=sockdir,
+            poll_interval=0.1,
+            max_backoff=0.5,
+            on_allocate=lambda ids, got: recorded.append((ids, got.mounts[0].host_path)),
+        )
+    )
     try:
         plugin.update(units)
         plugin.start()
@@ -275,5 +285,6 @@ def test_metaroce_units_mount_the_library_read_only_with_the_env(
         )
         assert envs["MR_TRANSPORT_CHECKSUM"] == "ab" * 32
         assert "LD_LIBRARY_PATH" not in envs  # the image's own (CUDA's) must stand
+        assert recorded == [(("eth2-1", "eth1-0"), lib)]  # the agent keeps that version
     finally:
         plugin.stop()
