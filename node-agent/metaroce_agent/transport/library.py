@@ -15,8 +15,11 @@ written under a temporary name, checked, made read-only and root-owned, and rena
 place whole. Files are never rewritten in place (a job that maps a rewritten `.so` dies
 of SIGBUS): a new version is a new directory; a damaged one is moved aside, not
 repaired. Pods are handed the versioned path itself (never a symlink), so an upgrade
-leaves running pods on the version they started with. Old versions stay until the
-network is reverted (the PodResources API would tell which are still allocated).
+leaves running pods on the version they started with. An old version is removed once no
+pod holds a unit that was allocated with it (the kubelet re-uses a checkpointed
+`Allocate` answer on a container restart): the device plugin records each unit's
+version, the kubelet's PodResources API says which units pods hold
+(`remove_unused_versions`), and a version some process still maps is never removed.
 """
 
 from __future__ import annotations
