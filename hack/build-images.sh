@@ -75,6 +75,10 @@ OPERATOR_REF="ghcr.io/metaroce/metaroce-operator:$version"
 RDMA_TEST_REF="localhost/metaroce-rdma-test:$version"
 PAUSE_REF="localhost/metaroce-pause:$version"
 
+# The MetaRoCE transport the agent image carries (images/agent/transport, not in git).
+say "staging the MetaRoCE transport (hack/stage-transport.sh)"
+bash "$here/stage-transport.sh" >/dev/null || die "hack/stage-transport.sh failed (see above)"
+
 # Every input of the images: the Dockerfiles and what they COPY (see images/*/Dockerfile).
 inputs=(pyproject.toml README.md api operator node-agent hack/metaroce_harness cli images)
 key=$( {

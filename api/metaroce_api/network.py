@@ -131,6 +131,126 @@ class RoceSettings(ApiModel):
     """Which GIDs to use when `gidIndex` is unset."""
 
 
+METAROCE_IPV4_OVERHEAD = 84
+"""Bytes of a MetaRoCE DATA datagram besides its payload over IPv4: IP + UDP (28) and the
+transport's headers and CRC (56; `transport/crates/metaroce-core/src/wire.rs`)."""
+METAROCE_DEFAULT_MTU = 1500
+"""The datagram size the transport uses when it is not told (`Config::default().mtu`)."""
+
+
+class PortRange(ApiModel):
+    """An inclusive range of UDP ports."""
+
+    first: Annotated[int, Field(ge=1024, le=65535)]
+    last: Annotated[int, Field(ge=1024, le=65535)]
+
+    @property
+    def size(self) -> int:
+        return self.last - self.first + 1
+
+    def __str__(self) -> str:
+        return f"{self.first}-{self.last}"
+
+    cel_rules = (
+        Rule(
+            name="port-range-ordered",
+            cel="self.first <= self.last",
+            field=".last",
+            message="the port range ends before it starts: set last >= first",
+            check=lambda s: s.first <= s.last,
+            rejects=Case(
+                _spec(
+                    transport={
+                        "mode": "metaroce",
+                        "metaroce": {"portRange": {"first": 21000, "last": 20000}},
+                    },
+                    qos={"profile": "lossy"},
+                ),
+                field="spec.transport.metaroce.portRange.last",
+            ),
+            accepts=Case(
+                _spec(
+                    transport={
+                        "mode": "metaroce",
+                        "metaroce": {"portRange": {"first": 21000, "last": 21999}},
+                    },
+                    qos={"profile": "lossy"},
+                )
+            ),
+        ),
+    )
+
+
+class MetaRoceCongestion(ApiModel):
+    """Congestion control of the MetaRoCE transport (per-path AIMD on loss, CE marks and
+    queueing delay). The defaults are the transport's own."""
+
+    queue_target_micros: Annotated[int, Field(ge=10, le=100_000)] = 500
+    """Queueing delay a path may build over its minimum RTT before its window comes down
+    (`queue_target_us`; the transport's default is 500)."""
+    min_rto_micros: Annotated[int, Field(ge=100, le=1_000_000)] = 5000
+    """Least retransmission timeout (`min_rto_us`; 5000 = 5 ms, the transport's default;
+    the largest is 1 s)."""
+    rate_hint_mbps: Annotated[int, Field(ge=0, le=1_600_000)] = 0
+    """A receiver's capacity in Mbit/s, shared among its senders as a rate hint
+    (`rate_mbps`); 0 = no hint (the transport's default)."""
+
+
+class MetaRoceSettings(ApiModel):
+    """The MetaRoCE transport's settings, handed to every pod of the network (MR_CONFIG)."""
+
+    port_range: PortRange = defaults_to_model(lambda: PortRange(first=20000, last=23999))
+    """UDP ports the transport binds: every endpoint takes `paths` ports of it, so every
+    process of a pod (and every endpoint of a process) has its own; the node marks this
+    range with the network's DSCP where the NIC has no DCB. Keep it outside the kernel's
+    ephemeral range (`net.ipv4.ip_local_port_range`, 32768-60999 by default)."""
+    paths: Annotated[int, Field(ge=1, le=16)] = 16
+    """Paths (UDP source ports) each connection sprays its packets over (16, the
+    transport's default and most)."""
+    mss: Annotated[int, Field(ge=492, le=9132)] | None = None
+    """Payload bytes per packet; unset = what the MTU allows (transport.mtu, else 1500,
+    less 84 bytes of IPv4, UDP and transport headers: 1416 at MTU 1500)."""
+    congestion: MetaRoceCongestion = defaults_to_model(MetaRoceCongestion)
+
+    def datagram_size(self, mtu: int | None) -> int:
+        """The transport's `mtu=`: the largest datagram, IP header included."""
+        if self.mss is not None:
+            return self.mss + METAROCE_IPV4_OVERHEAD
+        return mtu or METAROCE_DEFAULT_MTU
+
+    cel_rules = (
+        Rule(
+            name="metaroce-ports-fit-paths",
+            cel="self.portRange.last - self.portRange.first + 1 >= self.paths",
+            field=".portRange",
+            message=(
+                "portRange holds fewer ports than one endpoint needs (one per path): widen "
+                "portRange or lower paths"
+            ),
+            check=lambda s: s.port_range.size >= s.paths,
+            rejects=Case(
+                _spec(
+                    transport={
+                        "mode": "metaroce",
+                        "metaroce": {"portRange": {"first": 20000, "last": 20003}, "paths": 8},
+                    },
+                    qos={"profile": "lossy"},
+                ),
+                field="spec.transport.metaroce.portRange",
+            ),
+            accepts=Case(
+                _spec(
+                    transport={
+                        "mode": "metaroce",
+                        "metaroce": {"portRange": {"first": 20000, "last": 20003}, "paths": 4},
+                    },
+                    qos={"profile": "lossy"},
+                )
+            ),
+        ),
+    )
+
+
 class TransportSpec(ApiModel):
     """The RDMA transport the nodes run."""
 
@@ -151,8 +271,67 @@ class TransportSpec(ApiModel):
     """Transport retries before a QP fails (NCCL_IB_RETRY_CNT)."""
     allow_soft_roce_fallback: bool = False
     """With mode `auto`: a node without hardware RoCE gets SoftRoCE instead of failing."""
+    metaroce: MetaRoceSettings | None = None
+    """Settings of the MetaRoCE transport (mode `metaroce` only); unset = its defaults.
+    `auto` never picks MetaRoCE: the jobs must load its library, so it is chosen by name."""
+
+    def effective_metaroce(self) -> MetaRoceSettings:
+        """`metaroce`, after its defaults."""
+        return self.metaroce or MetaRoceSettings()
 
     cel_rules = (
+        Rule(
+            name="metaroce-settings-need-metaroce",
+            cel="!has(self.metaroce) || self.mode == 'metaroce'",
+            field=".metaroce",
+            message=(
+                "transport.metaroce applies only to mode metaroce (auto never picks it): "
+                "remove transport.metaroce, or set mode: metaroce"
+            ),
+            check=lambda s: s.metaroce is None or s.mode == "metaroce",
+            rejects=Case(
+                _spec(transport={"mode": "softroce", "metaroce": {"paths": 4}}),
+                field="spec.transport.metaroce",
+            ),
+            accepts=Case(
+                _spec(
+                    transport={"mode": "metaroce", "metaroce": {"paths": 4}},
+                    qos={"profile": "lossy"},
+                )
+            ),
+        ),
+        Rule(
+            name="metaroce-mss-fits-mtu",
+            cel=(
+                "self.mode != 'metaroce' || !has(self.metaroce) || !has(self.metaroce.mss)"
+                " || self.metaroce.mss + 84 <= (has(self.mtu) ? self.mtu : 1500)"
+            ),
+            field=".metaroce.mss",
+            message=(
+                "metaroce.mss plus 84 bytes of IPv4, UDP and transport headers exceeds the "
+                "MTU (transport.mtu, 1500 when unset): lower mss, raise transport.mtu, or "
+                "unset mss to use what the MTU allows"
+            ),
+            check=lambda s: (
+                s.mode != "metaroce"
+                or s.metaroce is None
+                or s.metaroce.mss is None
+                or s.metaroce.mss + METAROCE_IPV4_OVERHEAD <= (s.mtu or METAROCE_DEFAULT_MTU)
+            ),
+            rejects=Case(
+                _spec(
+                    transport={"mode": "metaroce", "metaroce": {"mss": 1450}},
+                    qos={"profile": "lossy"},
+                ),
+                field="spec.transport.metaroce.mss",
+            ),
+            accepts=Case(
+                _spec(
+                    transport={"mode": "metaroce", "mtu": 9000, "metaroce": {"mss": 8916}},
+                    qos={"profile": "lossy"},
+                )
+            ),
+        ),
         Rule(
             name="softroce-fallback-needs-auto",
             cel="!self.allowSoftRoceFallback || self.mode == 'auto'",

@@ -113,14 +113,25 @@ class QosReport(StatusModel):
     skipped: Annotated[list[SkippedKnob], Field(max_length=128), ListType("atomic")] | None = None
 
 
+class TransportLibrary(StatusModel):
+    """The transport library the node hands to pods (metaroce)."""
+
+    directory: Annotated[str, Field(max_length=253)]
+    """The versioned, read-only host directory pods mount."""
+    version: Annotated[str, Field(max_length=64)]
+    checksum: Annotated[str, Field(max_length=64)]
+    """sha256 of the directory's SHA256SUMS (every file's name and content)."""
+
+
 class TransportState(StatusModel):
     """The transport the node runs for this network."""
 
     mode: Literal["rocev2", "softroce", "metaroce", "none"] = "none"
     ready: bool = False
     devices: Annotated[list[Name64], Field(max_length=32), ListType("atomic")] | None = None
-    """RDMA devices the device plugin advertises."""
+    """Devices the device plugin advertises: RDMA devices, or netdevs for metaroce."""
     message: ShortText = ""
+    library: TransportLibrary | None = None
 
 
 class ProbePeer(StatusModel):

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from metaroce_agent.discover import Inventory
 from metaroce_agent.host import Host
+from metaroce_agent.transport.library import Bundle, read_bundle
 
 log = logging.getLogger("metaroce.agent.capabilities")
 
@@ -42,6 +43,9 @@ class Capabilities:
     rxe_loaded: bool = False
     rxe_loadable: bool = False
     pyverbs: bool = False
+    metaroce_bundle: Bundle | None = None
+    """The MetaRoCE transport the agent image carries (transport/library.py)."""
+    metaroce_bundle_problem: str = "the MetaRoCE transport was not looked for"
     notes: tuple[str, ...] = ()
 
     def of(self, netdev: str) -> NetdevCaps:
@@ -89,6 +93,7 @@ def probe_capabilities(host: Host, inventory: Inventory, netdevs: list[str]) -> 
     dcb_tool = _tool_ok(host, ["dcb", "-V"])
     caps = {n: probe_netdev(host, n, dcb_tool=dcb_tool) for n in netdevs}
     configfs = host.is_dir(CONFIGFS)
+    bundle, bundle_problem = read_bundle()
     result = Capabilities(
         netdevs=caps,
         rdma_cm_configfs=host.is_dir(RDMA_CM_CONFIGFS),
@@ -99,6 +104,8 @@ def probe_capabilities(host: Host, inventory: Inventory, netdevs: list[str]) -> 
         rxe_loaded=_module_loaded(host, "rdma_rxe"),
         rxe_loadable=_module_loadable(host, "rdma_rxe"),
         pyverbs=inventory.source == "pyverbs",
+        metaroce_bundle=bundle,
+        metaroce_bundle_problem=bundle_problem,
     )
     log.info(
         "capabilities: %s; rdma_cm configfs %s, tc %s, rdma %s, rdma_rxe %s",

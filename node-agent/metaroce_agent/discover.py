@@ -129,6 +129,10 @@ class RdmaDevice:
         return next((p for p in self.ports if p.num == num), None)
 
 
+NETDEV_DOWN = frozenset({"down", "lowerlayerdown", "notpresent"})
+"""Operstates that mean no traffic (`unknown` is what virtual netdevs report when up)."""
+
+
 @dataclass(frozen=True)
 class NetDevice:
     name: str

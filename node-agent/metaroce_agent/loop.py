@@ -26,6 +26,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import threading
 import time
@@ -84,6 +85,9 @@ class AgentOptions:
     device_plugin_dir: Path | None = None
     """The kubelet's device-plugin directory (/var/lib/kubelet/device-plugins); None = no
     device plugin (tests, `--once`, `--no-device-plugin`)."""
+    pod_resources_socket: str | None = "/var/lib/kubelet/pod-resources/kubelet.sock"
+    """The kubelet's PodResources API (metaroce: which library versions pods hold);
+    None = keep every version until the network is reverted."""
 
 
 def load_config(path: Path) -> AgentConfig:
@@ -181,6 +185,8 @@ class Agent:
         self._seen: tuple[Any, ...] = ()
         self.plugin: Any = None
         """The running `DevicePlugin` (imported lazily: grpcio is only needed with one)."""
+        self._allocations_lock = threading.Lock()
+        self._allocations: dict[str, str] | None = None
         self._warm_up()
 
     def _warm_up(self) -> None:
@@ -202,7 +208,7 @@ class Agent:
         plan = self.state.plan
         if plan is None:
             return []
-        return sorted({(d.rdma_device, d.netdev) for d in plan.devices})
+        return sorted({(d.rdma_device, d.netdev) for d in plan.devices if d.rdma_device})
 
     @property
     def drift_seconds(self) -> float:
@@ -309,6 +315,8 @@ class Agent:
                 self.discover()  # rxe devices and GIDs that now exist
             t["rediscover"] = time.monotonic()
             self._feed_plugin()
+            if result.ok:
+                self._remove_unused_libraries()
             self.metrics.knobs_applied.set(len([s for s in result.applied if s.report]))
             self.metrics.knobs_skipped.set(len(st.plan.skipped))
             self.report()
@@ -336,6 +344,7 @@ class Agent:
             st.errors.set(errors)
             st.failing = frozenset(s.device for s, _ in drift.errors)
             self._feed_plugin()
+            self._remove_unused_libraries()
             if drift.repaired:
                 st.last_applied = now()
                 log.info(
@@ -378,6 +387,7 @@ class Agent:
                 pods_per_device=cfg.pods_per_device,
                 socket_dir=self.options.device_plugin_dir,
                 device_env=frozenset(cfg.device_env),
+                on_allocate=self._record_allocation,
             )
         )
         self.plugin.start()
@@ -385,6 +395,62 @@ class Agent:
         log.info(
             "device plugin for %s started in %s", cfg.resource_name, self.options.device_plugin_dir
         )
+
+    # --- metaroce library versions ---------------------------------------------------------
+    @property
+    def _allocations_path(self) -> str:
+        from metaroce_agent.transport.library import ALLOCATIONS_FILE
+
+        return f"{self.options.state_dir}/{self.config.network}/{ALLOCATIONS_FILE}"
+
+    def _load_allocations(self) -> dict[str, str]:
+        if self._allocations is None:
+            text = self.host.read_opt(self._allocations_path)
+            try:
+                data = json.loads(text) if text else {}
+            except ValueError:
+                data = {}
+            self._allocations = {
+                str(k): str(v) for k, v in (data if isinstance(data, dict) else {}).items()
+            }
+        return self._allocations
+
+    def _record_allocation(self, ids: tuple[str, ...], got: Any) -> None:
+        """Which library directory each unit was last handed (gRPC thread)."""
+        if not got.mounts:
+            return
+        with self._allocations_lock:
+            records = self._load_allocations()
+            records.update({unit: got.mounts[0].host_path for unit in ids})
+            self.host.write_atomic(
+                self._allocations_path, json.dumps(records, sort_keys=True, indent=1)
+            )
+
+    def _remove_unused_libraries(self) -> None:
+        """Remove metaroce library versions no pod holds (PodResources) and none maps."""
+        plan = self.state.plan
+        socket = self.options.pod_resources_socket
+        if plan is None or plan.library is None or socket is None:
+            return
+        if self.options.device_plugin_dir is None:
+            return  # no device plugin, no allocations to keep versions for
+        from metaroce_agent.deviceplugin.podresources import PodResourcesError, allocated_units
+        from metaroce_agent.transport.library import remove_unused_versions
+
+        try:
+            held = allocated_units(self.config.resource_name, socket)
+        except PodResourcesError as e:
+            log.warning("old transport versions kept: %s", e)
+            return
+        with self._allocations_lock:
+            records = dict(self._load_allocations())
+        removed, notes = remove_unused_versions(
+            self.host, self.config.network, plan.library.directory, records, held
+        )
+        for version in removed:
+            log.info("removed transport version %s: no pod holds it", version)
+        for note in notes:
+            log.info("transport versions kept: %s", note)
 
     def _plugin_state(self) -> tuple[str, Any] | None:
         """The running plugin's resource and state, for the metrics (scrape thread)."""

@@ -14,6 +14,12 @@ which knob goes through which mechanism:
 | roce-tos/mode | rdma_cm configfs          | rdma_cm configfs         | rdma_cm configfs |
 | mtu           | netlink (when set)        | netlink                  | netlink          |
 
+MetaRoCE (a UDP transport in the jobs' processes) takes the DCB column where the NIC has
+DCB (DSCP map, PFC off, ETS when set); without DCB, tc marks its UDP port range (as
+destination and as source port) instead. Its ECN is ECT on its own sockets and marking
+in the switches, so the NIC's ECN/CNP knobs are skipped as not applying, and it has no
+rdma_cm settings.
+
 Every knob the spec asks for and the node cannot set is a `Skip` with the reason; with
 `qos.onUnsupported: error` the ones whose desired state does not hold anyway become
 blocking errors, and nothing is applied. Steps are ordered so that what a later step
@@ -33,9 +39,9 @@ from metaroce_agent.qos.dcb import DcbAppStep, DcbEtsStep, DcbPfcStep
 from metaroce_agent.qos.ecn import CnpStep, EcnStep
 from metaroce_agent.qos.mtu import MtuStep
 from metaroce_agent.qos.rocecm import RdmaCmDirStep, RoceModeStep, RoceTosStep
-from metaroce_agent.qos.tcmark import ClsactStep, TcMarkStep
+from metaroce_agent.qos.tcmark import ClsactStep, TcMarkStep, TcPortRangeMarkStep
 from metaroce_agent.steps import Step
-from metaroce_agent.transport.base import Issue, Mode, TransportDevice
+from metaroce_agent.transport.base import Issue, Library, Mode, TransportDevice
 from metaroce_agent.transport.select import driver_for
 from metaroce_agent.transport.softroce import rxe_name
 from metaroce_api import AgentConfig, NicSelector
@@ -79,6 +85,8 @@ class Plan:
     devices: tuple[TransportDevice, ...] = ()
     transport_message: str = ""
     notes: tuple[str, ...] = field(default=())
+    library: Library | None = None
+    """metaroce: the library directory pods get."""
 
     @property
     def ok(self) -> bool:
@@ -192,10 +200,13 @@ def make_plan(
     if config.transport.mtu is not None:
         steps += [MtuStep(nd.name, mtu=config.transport.mtu) for nd in netdevs]
     steps += tplan.steps
-    served = [d for d in tplan.devices]
+    served = [d for d in tplan.devices if d.rdma_device]
     software_netdevs = {d.netdev for d in served if d.kind == "softroce"}
     for nd in netdevs:
-        nsteps, nskips = _netdev_qos(config, nd, caps, software=nd.name in software_netdevs)
+        if tplan.mode == "metaroce":
+            nsteps, nskips = _metaroce_qos(config, nd, caps)
+        else:
+            nsteps, nskips = _netdev_qos(config, nd, caps, software=nd.name in software_netdevs)
         steps += nsteps
         skipped += nskips
     csteps, cskips = _rdma_cm(config, served, caps)
@@ -235,12 +246,13 @@ def make_plan(
         devices=tplan.devices,
         transport_message=tplan.message,
         notes=(why, *tplan.notes),
+        library=tplan.library,
     )
 
 
 def _drop_orphan_helpers(steps: list[Step]) -> list[Step]:
     """Remove helper steps (clsact, configfs dirs) whose knob steps were skipped."""
-    marks = {s.device for s in steps if isinstance(s, TcMarkStep)}
+    marks = {s.device for s in steps if isinstance(s, TcMarkStep | TcPortRangeMarkStep)}
     cm = {s.device for s in steps if isinstance(s, RoceTosStep | RoceModeStep)}
     out = []
     for s in steps:
@@ -331,6 +343,64 @@ def _netdev_qos(
             steps.append(CnpStep(dev, dscp=q.cnp.dscp, priority=q.cnp.priority))
         elif ecn:
             skips.append(Skip("cnp-marking", dev, f"{dev} exposes no CNP marking knobs in sysfs"))
+    return steps, skips
+
+
+def _metaroce_qos(
+    config: AgentConfig, nd: NetDevice, caps: Capabilities
+) -> tuple[list[Step], list[Skip]]:
+    """The host part of the lossy profile for the MetaRoCE transport on one netdev."""
+    q = config.qos
+    c = caps.of(nd.name)
+    dev = nd.name
+    settings = config.transport.effective_metaroce()
+    steps: list[Step] = []
+    skips: list[Skip] = []
+    pfc = sorted(q.pfc_priorities) if q.pfc_priorities is not None else None
+    if q.profile != "custom":
+        pfc = q.effective_pfc_priorities()
+    if c.dcb:
+        steps.append(DcbAppStep(dev, entries=((q.data.dscp, q.data.priority),)))
+        if pfc is not None:
+            steps.append(DcbPfcStep(dev, enabled=tuple(pfc)))
+        if q.ets:
+            steps.append(
+                DcbEtsStep(dev, shares=tuple((e.priority, e.bandwidth_percent) for e in q.ets))
+            )
+    else:
+        no_dcb = c.dcb_reason or f"{dev} has no DCB"
+        if caps.tc:
+            steps.append(ClsactStep(dev))
+            steps += [
+                TcPortRangeMarkStep(
+                    dev,
+                    match=match,
+                    first=settings.port_range.first,
+                    last=settings.port_range.last,
+                    dscp=q.data.dscp,
+                    priority=q.data.priority,
+                )
+                for match in ("dst", "src")
+            ]
+        else:
+            skips.append(Skip("dscp-mark", dev, "the tc tool is missing: install iproute2"))
+        if pfc:
+            on = ",".join(map(str, pfc))
+            skips.append(Skip("pfc", dev, f"{no_dcb}: PFC on priority {on} cannot be set"))
+        elif pfc is not None:
+            skips.append(Skip("pfc", dev, f"{no_dcb}: PFC is off already", satisfied=True))
+        if q.ets:
+            skips.append(Skip("ets", dev, f"{no_dcb}: ETS shares cannot be set"))
+    skips.append(
+        Skip(
+            "ecn",
+            dev,
+            "MetaRoCE sets ECT on its own UDP sockets and reacts to CE itself; the NIC's "
+            "ECN knobs drive hardware RoCE only: ECN marking is the switches'",
+            satisfied=True,
+        )
+    )
+    skips.append(Skip("cnp-marking", dev, "MetaRoCE sends no CNPs", satisfied=True))
     return steps, skips
 
 

@@ -47,7 +47,7 @@ from metaroce_api import (
     nodestate_labels,
     nodestate_name,
 )
-from metaroce_api.nodestate import NodeStatePhase
+from metaroce_api.nodestate import NodeStatePhase, TransportLibrary
 
 log = logging.getLogger("metaroce.agent.report")
 
@@ -113,7 +113,7 @@ def inventory_devices(config: AgentConfig, inventory: Inventory, plan: Plan | No
                 Device(
                     **base,
                     rdma_device=td.rdma_device if dev else None,
-                    rdma_kind=td.kind if dev else "none",
+                    rdma_kind=td.kind if dev and td.kind != "metaroce" else "none",
                     active_mtu=port.active_mtu if port else None,
                     port_state=port.state if port else None,
                     gid_index=gid.index if gid else None,
@@ -133,14 +133,11 @@ def transport_state(
     usable = []
     driver = DRIVERS.get(plan.mode)
     for td in plan.devices:
-        dev = inventory.rdma_device(td.rdma_device)
-        why = driver().device_problem(config, dev, td.port) if driver else None
+        why = driver().served_problem(config, inventory, td) if driver else None
         if why is None:
-            usable.append(td.rdma_device)
+            usable.append(td.name)
         else:
-            problems.append(
-                (f"transport {plan.mode} on {td.rdma_device}", f"{td.rdma_device} {why}")
-            )
+            problems.append((f"transport {plan.mode} on {td.name}", f"{td.name} {why}"))
     ready = applied_ok and bool(plan.devices) and not problems
     return (
         TransportState(
@@ -148,6 +145,15 @@ def transport_state(
             ready=ready,
             devices=sorted(set(usable)) or None,
             message=plan.transport_message[:1024],
+            library=(
+                TransportLibrary(
+                    directory=plan.library.directory,
+                    version=plan.library.version,
+                    checksum=plan.library.checksum,
+                )
+                if plan.library
+                else None
+            ),
         ),
         problems,
     )

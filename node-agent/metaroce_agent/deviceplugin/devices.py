@@ -13,6 +13,13 @@ follows that preference whenever it is valid. Should a container still be handed
 units of one NIC (only possible when fewer than k NICs have free units), `Allocate`
 refuses with a message that says so, instead of silently giving fewer NICs than asked.
 
+MetaRoCE networks
+-----------------
+A `metaroce` network's units are per netdev (`<netdev>-<k>`): the transport runs in the
+pod's own process over UDP, so a unit gives no device node but the network's versioned
+library directory, mounted read-only, and the environment of `metaroce_api.metaroce_env`
+(the interfaces to bind, FI_PROVIDER_PATH, the transport's settings).
+
 Health
 ------
 A unit is `Healthy` only when its NIC's port is ACTIVE *and* the agent has applied and
@@ -26,6 +33,8 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+
+from metaroce_api.metaroce_env import CONTAINER_DIR
 
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
@@ -69,6 +78,11 @@ class PluginDevice:
     """The node has /dev/infiniband/rdma_cm (rdma_ucm loaded): Allocate hands it out."""
     port: int = 1
     """RDMA port number (NCCL_IB_HCA names `<device>:<port>`)."""
+    library_dir: str = ""
+    """metaroce: the versioned host directory a unit mounts (`rdma_device` is then the
+    netdev's name and there is no device node)."""
+    env: tuple[tuple[str, str], ...] = ()
+    """metaroce: the environment `Allocate` returns, but for the interface names."""
 
     @property
     def healthy(self) -> bool:
@@ -148,12 +162,20 @@ class DeviceNode:
 
 
 @dataclass(frozen=True)
+class Mount:
+    container_path: str
+    host_path: str
+    read_only: bool = True
+
+
+@dataclass(frozen=True)
 class ContainerAllocation:
-    """What one container gets: device nodes and environment."""
+    """What one container gets: device nodes (or mounts) and environment."""
 
     devices: tuple[DeviceNode, ...]
     envs: Mapping[str, str] = field(default_factory=dict)
     rdma_devices: tuple[str, ...] = ()
+    mounts: tuple[Mount, ...] = ()
 
 
 def allocate(
@@ -190,6 +212,8 @@ def allocate(
             "add NICs to the network"
         )
     ordered = sorted(devices.values(), key=lambda d: d.rdma_device)
+    if any(d.library_dir for d in ordered):
+        return _allocate_metaroce(ordered, resource_name)
     nodes = [DeviceNode(d.uverbs_path, d.uverbs_path) for d in ordered]
     if all(d.rdma_cm for d in ordered):  # a missing device node fails the container's start
         nodes.append(DeviceNode(RDMA_CM, RDMA_CM))
@@ -201,6 +225,26 @@ def allocate(
         envs[ENV_GID_INDEX] = str(gids.pop())
     return ContainerAllocation(
         devices=tuple(nodes), envs=envs, rdma_devices=tuple(d.rdma_device for d in ordered)
+    )
+
+
+def _allocate_metaroce(ordered: Sequence[PluginDevice], resource_name: str) -> ContainerAllocation:
+    """The library directory, read-only, and the environment naming the netdevs given."""
+    dirs = {d.library_dir for d in ordered}
+    if len(dirs) != 1 or "" in dirs:
+        raise AllocationError(
+            f"{resource_name}: the units asked for carry different transport libraries "
+            f"({', '.join(sorted(dirs))}); the agent is between two versions: retry"
+        )
+    netdevs = [d.rdma_device for d in ordered]
+    envs = dict(ordered[0].env)
+    envs["MR_NCCL_IFNAME"] = "=" + ",".join(netdevs)
+    envs["FI_METAROCE_IFACE"] = netdevs[0]
+    return ContainerAllocation(
+        devices=(),
+        envs=envs,
+        rdma_devices=tuple(netdevs),
+        mounts=(Mount(CONTAINER_DIR, dirs.pop(), read_only=True),),
     )
 
 

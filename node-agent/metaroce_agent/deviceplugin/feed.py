@@ -22,13 +22,11 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from metaroce_agent.deviceplugin.devices import PluginDevice
-from metaroce_agent.discover import Inventory
+from metaroce_agent.discover import NETDEV_DOWN, Inventory
 from metaroce_agent.plan import Plan
 from metaroce_agent.transport.base import select_gid
 from metaroce_api import AgentConfig
-
-NETDEV_DOWN = frozenset({"down", "lowerlayerdown", "notpresent"})
-"""Operstates that mean no traffic (`unknown` is what virtual netdevs report when up)."""
+from metaroce_api.metaroce_env import allocation_env
 
 
 def plugin_devices(
@@ -48,6 +46,8 @@ def plugin_devices(
     if plan is None:
         return []
     node_failing = "" in failing
+    if plan.mode == "metaroce":
+        return _metaroce_devices(config, inventory, plan, applied=applied, failing=failing)
     out: dict[str, PluginDevice] = {}
     for td in plan.devices:
         dev = inventory.rdma_device(td.rdma_device)
@@ -76,3 +76,45 @@ def plugin_devices(
             port=td.port,
         )
     return [out[name] for name in sorted(out)]
+
+
+def _metaroce_devices(
+    config: AgentConfig,
+    inventory: Inventory,
+    plan: Plan,
+    *,
+    applied: bool,
+    failing: Collection[str],
+) -> list[PluginDevice]:
+    """One device per netdev of a metaroce network, once its library is installed: usable
+    when the netdev is up with an IPv4 address (the transport binds it)."""
+    if plan.library is None:
+        return []
+    env = allocation_env(
+        config.transport,
+        config.qos,
+        ["-"],
+        version=plan.library.version,
+        checksum=plan.library.checksum,
+    )
+    out = []
+    for td in plan.devices:
+        netdev = inventory.netdev(td.netdev)
+        if netdev is None:
+            continue
+        up = (netdev.operstate or "").lower() not in NETDEV_DOWN and bool(netdev.ipv4)
+        verified = applied and plan.ok and "" not in failing and td.netdev not in failing
+        out.append(
+            PluginDevice(
+                rdma_device=td.netdev,
+                uverbs="",
+                netdev=td.netdev,
+                numa_node=netdev.numa_node,
+                port_active=up,
+                qos_verified=verified,
+                rdma_cm=False,
+                library_dir=plan.library.directory,
+                env=tuple(sorted(env.items())),
+            )
+        )
+    return sorted(out, key=lambda d: d.rdma_device)

@@ -1,4 +1,5 @@
-"""Regenerate the gRPC stubs of the kubelet device-plugin API from `api.proto`.
+"""Regenerate the gRPC stubs of the kubelet device-plugin API from `api.proto` (and of
+the PodResources API from `podresources.proto`).
 
     python -m metaroce_agent.deviceplugin.gen            # rewrite the committed stubs
     python -m metaroce_agent.deviceplugin.gen --out DIR  # write them under DIR instead
@@ -22,11 +23,17 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 PACKAGE_ROOT = PACKAGE_DIR.parent.parent
 """`node-agent/`: the include root, so the proto is `metaroce_agent/deviceplugin/api.proto`."""
 PROTO = PACKAGE_DIR / "api.proto"
-GENERATED = ("api_pb2.py", "api_pb2_grpc.py")
+PODRESOURCES_PROTO = PACKAGE_DIR / "podresources.proto"
+GENERATED = (
+    "api_pb2.py",
+    "api_pb2_grpc.py",
+    "podresources_pb2.py",
+    "podresources_pb2_grpc.py",
+)
 
 
 def generate(out_root: Path) -> list[Path]:
-    """Compile `api.proto` into `out_root/metaroce_agent/deviceplugin/`; returns the files."""
+    """Compile the protos into `out_root/metaroce_agent/deviceplugin/`; returns the files."""
     try:
         from grpc_tools import protoc
     except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -35,8 +42,8 @@ def generate(out_root: Path) -> list[Path]:
         ) from exc
     import importlib.resources
 
-    rel = PROTO.relative_to(PACKAGE_ROOT)
-    out_dir = out_root / rel.parent
+    rels = [p.relative_to(PACKAGE_ROOT) for p in (PROTO, PODRESOURCES_PROTO)]
+    out_dir = out_root / rels[0].parent
     out_dir.mkdir(parents=True, exist_ok=True)
     well_known = str(importlib.resources.files("grpc_tools") / "_proto")
     argv = [
@@ -45,7 +52,7 @@ def generate(out_root: Path) -> list[Path]:
         f"-I{well_known}",
         f"--python_out={out_root}",
         f"--grpc_python_out={out_root}",
-        str(rel),
+        *(str(rel) for rel in rels),
     ]
     # protoc resolves the file argument against the include path; run from the root.
     import os

@@ -44,7 +44,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +55,7 @@ from metaroce_agent.deviceplugin.api import api_pb2, api_pb2_grpc
 from metaroce_agent.deviceplugin.devices import (
     DEVICE_ENV,
     AllocationError,
+    ContainerAllocation,
     PluginDevice,
     Unit,
     allocate,
@@ -94,6 +95,9 @@ class PluginConfig:
     poll_interval: float = 1.0
     register_timeout: float = 10.0
     max_backoff: float = 10.0
+    on_allocate: Callable[[tuple[str, ...], ContainerAllocation], None] | None = None
+    """Called after every successful Allocate of a container (the agent records which
+    library version each metaroce unit was handed)."""
 
     @property
     def socket_path(self) -> Path:
@@ -436,6 +440,11 @@ class _Servicer:
                 log.warning("Allocate refused: %s", exc)
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
                 raise  # abort raises; this keeps type checkers honest
+            if cfg.on_allocate is not None:
+                try:
+                    cfg.on_allocate(tuple(req.devices_ids), got)
+                except Exception:  # a record that cannot be written must not fail the pod
+                    log.exception("recording the allocation of %s failed", list(req.devices_ids))
             log.info(
                 "Allocate %s: %s -> %s",
                 cfg.resource_name,
@@ -452,6 +461,14 @@ class _Servicer:
                             permissions=d.permissions,
                         )
                         for d in got.devices
+                    ],
+                    mounts=[
+                        api_pb2.Mount(
+                            container_path=m.container_path,
+                            host_path=m.host_path,
+                            read_only=m.read_only,
+                        )
+                        for m in got.mounts
                     ],
                 )
             )

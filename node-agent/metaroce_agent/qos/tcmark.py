@@ -197,3 +197,132 @@ def describe_mismatch(entry: dict[str, Any], tos: int, priority: int) -> str | N
     if have_prio != priority:
         problems.append(f"sets priority {have_prio}, want {priority}")
     return ("RoCEv2 marking filter " + "; ".join(problems)) if problems else None
+
+
+# --- MetaRoCE: the network's UDP port range -------------------------------------------------
+
+PORT_RANGE_PREFS = {"dst": 4792, "src": 4793}
+"""Egress prefs of the agent's MetaRoCE filters: one matches the range as destination
+port (what a node sends to its peers' endpoints), one as source port (what its own
+endpoints send, whatever port the peer uses)."""
+
+
+def port_range_of(value: object) -> tuple[int, int] | None:
+    """A flower port key as (first, last): `{"start": a, "end": b}` (iproute2's JSON for a
+    range), `"a-b"`, or a single port."""
+    if isinstance(value, dict):
+        try:
+            return int(value["start"]), int(value["end"])
+        except (KeyError, TypeError, ValueError):
+            return None
+    text = str(value)
+    first, _, last = text.partition("-")
+    if not first.isdigit() or (last and not last.isdigit()):
+        return None
+    return int(first), int(last or first)
+
+
+@dataclass(frozen=True)
+class TcPortRangeMarkStep(Step):
+    """Mark the MetaRoCE transport's UDP packets (ports `first`-`last` as destination or
+    as source, `match`) with `dscp` and skb priority `priority` on egress: the node-level
+    DSCP policy for a NIC without DCB, like `TcMarkStep` does for RoCEv2's port 4791."""
+
+    kind = "tc-mark-ports"
+    knob = "dscp-mark"
+    method = "tc"
+
+    match: str = "dst"
+    first: int = 20000
+    last: int = 23999
+    dscp: int = 26
+    priority: int = 3
+    family: str = "ipv4"
+
+    def id_suffix(self) -> str:
+        return f":{self.match}"
+
+    @property
+    def pref(self) -> int:
+        return PORT_RANGE_PREFS[self.match]
+
+    @property
+    def tos(self) -> int:
+        return self.dscp << 2
+
+    def value(self) -> str:
+        return (
+            f"udp {self.match} port {self.first}-{self.last}: dscp {self.dscp} "
+            f"(tos 0x{self.tos:02x}) priority {self.priority}"
+        )
+
+    def _proto(self) -> str:
+        return "ip" if self.family == "ipv4" else "ipv6"
+
+    def command(self) -> list[str]:
+        munge = (
+            ["munge", "ip", "dsfield"]
+            if self.family == "ipv4"
+            else ["munge", "ip6", "traffic_class"]
+        )
+        csum = ["action", "csum", "ip", "pipe"] if self.family == "ipv4" else []
+        return [
+            "tc", "filter", "replace", "dev", self.device, "egress",
+            "protocol", self._proto(), "pref", str(self.pref), "handle", hex(FILTER_HANDLE),
+            "flower", "ip_proto", "udp", f"{self.match}_port", f"{self.first}-{self.last}",
+            "action", "pedit", "ex", *munge, "set", f"0x{self.tos:02x}", "retain", "0xfc", "pipe",
+            *csum,
+            "action", "skbedit", "priority", str(self.priority),
+        ]  # fmt: skip
+
+    def _ours(self, host: Host) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+        mine, others = None, []
+        for f in filters(host, self.device, "egress"):
+            if f.get("pref") != self.pref:
+                continue
+            if (f.get("options") or {}).get("handle") == FILTER_HANDLE:
+                mine = f
+            else:
+                others.append(f)
+        return mine, others
+
+    def apply(self, host: Host) -> None:
+        host.run(self.command())
+
+    def verify(self, host: Host) -> str | None:
+        mine, others = self._ours(host)
+        if others:
+            handles = [o.get("options", {}).get("handle") for o in others]
+            return (
+                f"egress pref {self.pref} on {self.device} also holds filters that are not "
+                f"the agent's (handles {handles}): move them to another pref"
+            )
+        if mine is None:
+            return (
+                f"no MetaRoCE marking filter (egress pref {self.pref}, udp {self.match} port "
+                f"{self.first}-{self.last}) on {self.device}"
+            )
+        keys = (mine.get("options") or {}).get("keys") or {}
+        have = port_range_of(keys.get(f"{self.match}_port"))
+        problems = []
+        if have != (self.first, self.last):
+            shown = "nothing" if have is None else f"{have[0]}-{have[1]}"
+            problems.append(f"matches {self.match} port {shown}, want {self.first}-{self.last}")
+        have_tos, have_prio, _ = marking_of(mine)
+        if have_tos is None or (have_tos & 0xFC) != (self.tos & 0xFC):
+            shown = "nothing" if have_tos is None else f"0x{have_tos:02x}"
+            problems.append(f"sets tos {shown}, want 0x{self.tos:02x}")
+        if have_prio != self.priority:
+            problems.append(f"sets priority {have_prio}, want {self.priority}")
+        return ("MetaRoCE marking filter " + "; ".join(problems)) if problems else None
+
+    def undo(self, host: Host, snapshot: Json) -> None:
+        mine, _ = self._ours(host)
+        if mine is None:
+            return
+        host.run(
+            [
+                "tc", "filter", "del", "dev", self.device, "egress", "protocol", self._proto(),
+                "pref", str(self.pref), "handle", hex(FILTER_HANDLE), "flower",
+            ]
+        )  # fmt: skip

@@ -24,12 +24,27 @@ class Issue:
 
 @dataclass(frozen=True)
 class TransportDevice:
-    """An RDMA device the transport serves (its name is known before it exists)."""
+    """A device the transport serves: an RDMA device (its name is known before it
+    exists), or for `metaroce` a netdev alone (`rdma_device` empty)."""
 
     netdev: str
     rdma_device: str
-    kind: Literal["hardware", "softroce"]
+    kind: Literal["hardware", "softroce", "metaroce"]
     port: int = 1
+
+    @property
+    def name(self) -> str:
+        """What the device plugin and the NodeState call it."""
+        return self.rdma_device or self.netdev
+
+
+@dataclass(frozen=True)
+class Library:
+    """The transport library a node hands to pods (metaroce): its versioned directory."""
+
+    directory: str
+    version: str
+    checksum: str
 
 
 @dataclass(frozen=True)
@@ -43,6 +58,7 @@ class TransportPlan:
     """Non-blocking: the rest is applied, the node reports Degraded."""
     message: str = ""
     notes: tuple[str, ...] = field(default=())
+    library: Library | None = None
 
 
 class TransportDriver(ABC):
@@ -58,6 +74,12 @@ class TransportDriver(ABC):
         caps: Capabilities,
         netdevs: list[NetDevice],
     ) -> TransportPlan: ...
+
+    def served_problem(
+        self, config: AgentConfig, inventory: Inventory, served: TransportDevice
+    ) -> str | None:
+        """Why a served device is not usable yet (None = usable)."""
+        return self.device_problem(config, inventory.rdma_device(served.rdma_device), served.port)
 
     def device_problem(
         self, config: AgentConfig, device: RdmaDevice | None, port: int

@@ -28,6 +28,11 @@ For each network named in the annotation (comma list, trimmed, deduplicated, ord
   is not pinned) depend on which NICs the container gets: the device plugin sets them.
   With several networks, the first one listed gives a variable's value (a warning says
   so when the others differ);
+- a `metaroce` network injects instead the transport's network-wide variables
+  (`metaroce_api.metaroce_env.network_env`: FI_PROVIDER, NCCL_NET_PLUGIN, MR_CONFIG;
+  NCCL_SOCKET_IFNAME as above); the device plugin adds the library mount and the
+  per-node part. A container whose own FI_PROVIDER or NCCL_NET_PLUGIN names something
+  else keeps it and gets a warning that it will not use metaroce;
 - the annotation `metaroce.io/injected` records what was injected (JSON).
 
 Idempotent: mutating an already mutated pod changes nothing.
@@ -44,6 +49,8 @@ from typing import Any
 from metaroce_api import MetaRoceNetwork
 from metaroce_api.base import DNS_LABEL_RE
 from metaroce_api.constants import CONTAINER_ANNOTATION, INJECTED_ANNOTATION, NETWORKS_ANNOTATION
+from metaroce_api.metaroce_env import SELECTING_ENV
+from metaroce_api.metaroce_env import network_env as metaroce_network_env
 
 IPC_LOCK = "IPC_LOCK"
 PSS_ENFORCE = "pod-security.kubernetes.io/enforce"
@@ -268,9 +275,15 @@ def _pod_label(pod: Mapping[str, Any], namespace: str) -> str:
 
 
 def network_env(net: MetaRoceNetwork) -> dict[str, str]:
-    """The network-wide NCCL variables of `net`, limited to its `ncclEnv`."""
+    """The network-wide NCCL variables of `net`, limited to its `ncclEnv` (a metaroce
+    network: the transport's variables, and NCCL_SOCKET_IFNAME when listed and set)."""
     spec = net.spec
     wanted = set(spec.attachment.nccl_env)
+    if spec.transport.mode == "metaroce":
+        env = metaroce_network_env(spec.transport, spec.qos)
+        if "NCCL_SOCKET_IFNAME" in wanted and spec.attachment.socket_interface:
+            env["NCCL_SOCKET_IFNAME"] = spec.attachment.socket_interface
+        return env
     values: dict[str, str | None] = {
         "NCCL_IB_TC": str(spec.qos.data.dscp << 2),
         "NCCL_IB_QPS_PER_CONNECTION": str(spec.transport.qps_per_connection),
@@ -426,7 +439,12 @@ def mutate_pod(
         }
     network_keys = {k for v in views if v.network for k in network_env(v.network)}
     plugin_env = sorted(
-        {k for v in views if v.network for k in v.network.spec.attachment.nccl_env}
+        {
+            k
+            for v in views
+            if v.network and v.network.spec.transport.mode != "metaroce"
+            for k in v.network.spec.attachment.nccl_env
+        }
         & set(DEVICE_PLUGIN_ENV) - network_keys
     )
     if plugin_env:
@@ -505,6 +523,16 @@ def _settle(
                     f"({env[key]} and {value}); {origin[key]!r} (listed first) wins"
                 )
     kept = sorted(k for k in env if k in user_env)
+    user_values = {
+        e.get("name"): e.get("value") for e in slot.body.get("env") or [] if isinstance(e, Mapping)
+    }
+    for key in kept:
+        if key in SELECTING_ENV and user_values.get(key) != env[key]:
+            warnings.append(
+                f"container {cname!r} sets {key}={user_values.get(key)!r}: kept, so it will "
+                f"not use the metaroce transport of network {origin[key]!r}; remove {key} "
+                "from its env to use it"
+            )
     added_env = {k: v for k, v in env.items() if k not in user_env}
     patch.extend([*slot.path, "env"], [{"name": k, "value": v} for k, v in added_env.items()])
     if added_env:

@@ -317,19 +317,16 @@ def _transport(net: MetaRoceNetwork, verdict: Verdict) -> None:
                     "profile lossy (no PFC) without ets",
                 )
             )
-    elif mode == "metaroce":
-        if software or _only_rxe(nics):
-            verdict.problems.append(
-                Problem(
-                    "spec.transport.mode",
-                    f"metaroce runs on RDMA NIC hardware, but "
-                    f"{software or 'spec.nics.rdmaDevices selects only SoftRoCE (rxe) devices'}: "
-                    "select RDMA NICs, or use mode softroce",
-                )
+    elif mode == "metaroce" and _only_rxe(nics):
+        # a UDP transport in the jobs' processes: any netdev with an address will do, but
+        # rxe devices exist only where SoftRoCE made them, so they select nothing here
+        verdict.problems.append(
+            Problem(
+                "spec.nics.rdmaDevices",
+                f"metaroce serves netdevs, not SoftRoCE devices, but spec.nics.rdmaDevices "
+                f"({', '.join(nics.rdma_devices or [])}) selects only rxe devices: select the "
+                "netdevs with interfaceNames, drivers or PCI ids instead",
             )
-        verdict.warnings.append(
-            "transport metaroce needs NIC support that this agent version does not ship yet: "
-            "the nodes will report an error until it does"
         )
 
 

@@ -631,3 +631,215 @@ def test_4_deleting_the_network_cleans_the_nodes(kube: Kube, operator: None) -> 
             assert RXE not in st["rdma_cm configfs"], (g.name, st)
             # every step undone: the journal is empty (or gone)
             assert not st["journal"].strip() or json.loads(st["journal"])["entries"] == [], st
+
+
+# -- 5: a metaroce network ------------------------------------------------------------------
+
+MR_NETWORK = "e2e-metaroce"
+MR_RESOURCE = f"metaroce.io/{MR_NETWORK}"
+MR_DSCP = 34
+MR_PORTS = (25000, 25999)
+MR_POD_NAMESPACE = "e2e-metaroce"
+MR_LIBDIR = "/run/metaroce/transport/" + MR_NETWORK
+MR_BIN = "/opt/metaroce-transport/bin"
+
+
+def _metaroce_network() -> str:
+    return yaml.safe_dump(
+        {
+            "apiVersion": "metaroce.io/v1alpha1",
+            "kind": "MetaRoceNetwork",
+            "metadata": {"name": MR_NETWORK},
+            "spec": {
+                "nodeSelector": {"matchLabels": {LABEL: "true"}},
+                "nics": {"interfaceNames": ["eth0"]},
+                "transport": {
+                    "mode": "metaroce",
+                    "metaroce": {
+                        "portRange": {"first": MR_PORTS[0], "last": MR_PORTS[1]},
+                        "paths": 4,
+                    },
+                },
+                "qos": {"profile": "lossy", "data": {"dscp": MR_DSCP, "priority": 4}},
+                "attachment": {"resourceName": MR_RESOURCE, "podsPerDevice": 4},
+                "health": {"probe": {"enabled": False}},
+                "cleanupOnDelete": True,
+            },
+        }
+    )
+
+
+def _mr_states(kube: Kube) -> list[dict[str, Any]]:
+    out = kube.kubectl(
+        "get", "metarocenodestates", "-l", f"metaroce.io/network={MR_NETWORK}", "-o", "json"
+    ).stdout
+    return list(json.loads(out)["items"])
+
+
+def _mr_agents(kube: Kube) -> list[dict[str, Any]]:
+    out = kube.kubectl(
+        "get", "pods", "-n", NAMESPACE, "-l", f"metaroce.io/network={MR_NETWORK}", "-o", "json"
+    ).stdout
+    return list(json.loads(out)["items"])
+
+
+def test_5_metaroce_network_rolls_out_and_pods_get_the_library(
+    kube: Kube, operator: None, figures: list[str]
+) -> None:
+    """A metaroce network: agents Ready on both nodes with the library installed and
+    self-tested, the port range marked, the resource advertised; annotated pods get the
+    read-only library mount and the environment, and move data with metaroce-perf between
+    them; deleting the network removes what the agents made."""
+    nodes = kube.nodes[:2]
+    kube.kubectl("delete", "metarocenetwork", NETWORK, "--ignore-not-found", timeout=240)
+    kube.kubectl("apply", "-f", "-", input=_metaroce_network())
+    try:
+        took = _wait(
+            "metaroce NodeStates Ready on both nodes",
+            lambda: (
+                sorted(
+                    s["spec"]["node"]
+                    for s in _mr_states(kube)
+                    if s.get("status", {}).get("phase") == "Ready"
+                )
+                == sorted(nodes)
+            ),
+            420,
+        )
+        figures.append(f"metaroce network: NodeStates Ready {took:.1f} s after apply")
+        _wait(
+            f"{MR_RESOURCE} advertised by both nodes",
+            lambda: all(
+                json.loads(kube.kubectl("get", "node", n, "-o", "json").stdout)["status"]
+                .get("allocatable", {})
+                .get(MR_RESOURCE, "0")
+                == "4"
+                for n in nodes
+            ),
+        )
+        states = _mr_states(kube)
+        libs = {s["status"]["transport"]["library"]["checksum"] for s in states}
+        assert len(libs) == 1, states  # the same image on both nodes
+        library = states[0]["status"]["transport"]["library"]
+        assert states[0]["status"]["transport"]["devices"] == ["eth0"], states[0]
+        real = kube.real_nodes
+        if real is not None and real.guests is not None:
+            for g in real.guests:
+                listing = g.run(f"stat -c '%U %a %n' {library['directory']}", check=True).stdout
+                assert listing.startswith("root 555 "), (g.name, listing)
+                filters = g.run("tc filter show dev eth0 egress", check=True).stdout
+                assert filters.count(f"{MR_PORTS[0]}-{MR_PORTS[1]}") == 2, (g.name, filters)
+                assert "rxe" not in g.run("rdma link", check=True).stdout, g.name
+
+        kube.kubectl("create", "namespace", MR_POD_NAMESPACE, check=False)
+        names = ("mr-a", "mr-b")
+        docs = []
+        for name, node in zip(names, nodes, strict=True):
+            doc = _training_pod(name, node, kube.test_image)
+            doc["metadata"]["namespace"] = MR_POD_NAMESPACE
+            doc["metadata"]["annotations"] = {constants.NETWORKS_ANNOTATION: MR_NETWORK}
+            docs.append(doc)
+        kube.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
+
+        def get(name: str) -> dict[str, Any]:
+            out = kube.kubectl("get", "pod", name, "-n", MR_POD_NAMESPACE, "-o", "json").stdout
+            return dict(json.loads(out))
+
+        def run(name: str, script: str, timeout: float = 120) -> str:
+            return kube.kubectl(
+                "exec", "-n", MR_POD_NAMESPACE, name, "--", "sh", "-c", script, timeout=timeout
+            ).stdout
+
+        _wait("both metaroce pods Ready", lambda: all(_ready(get(n)) for n in names), 240, 1)
+        for name in names:
+            env = dict(line.split("=", 1) for line in run(name, "env").splitlines() if "=" in line)
+            assert env["FI_PROVIDER"] == "metaroce" and env["NCCL_NET_PLUGIN"] == "metaroce", env
+            assert f"ports={MR_PORTS[0]}-{MR_PORTS[1]}" in env["MR_CONFIG"], env
+            assert "paths=4" in env["MR_CONFIG"] and f"dscp={MR_DSCP}" in env["MR_CONFIG"], env
+            assert env["MR_NCCL_IFNAME"] == "=eth0" and env["FI_METAROCE_IFACE"] == "eth0", env
+            assert env["MR_TRANSPORT_CHECKSUM"] == library["checksum"], env
+            assert env["FI_PROVIDER_PATH"].startswith("/opt/metaroce-transport/lib:"), env
+            mounted = run(name, "ls /opt/metaroce-transport/lib /opt/metaroce-transport/bin")
+            assert "libnccl-net-metaroce.so" in mounted and "libmetaroce-fi.so" in mounted
+            denied = kube.kubectl(
+                "exec", "-n", MR_POD_NAMESPACE, name, "--", "touch", "/opt/metaroce-transport/x",
+                check=False,
+            )  # fmt: skip
+            assert denied.returncode != 0 and "Read-only" in denied.stderr, denied.stderr
+            # the provider through the pod's own libfabric, with the injected settings
+            out = run(
+                name,
+                'MR_CONFIG="$MR_CONFIG,addr=127.0.0.1" ' + f"{MR_BIN}/metaroce-fi-selftest",
+            )
+            assert "ALL-OK" in out, out
+
+        # data between the two pods over the transport, with the network's settings
+        ip_a, ip_b = (get(n)["status"]["podIP"] for n in names)
+        server = subprocess.Popen(
+            [kube.kubectl_bin, f"--kubeconfig={kube.kubeconfig}", "exec", "-n",
+             MR_POD_NAMESPACE, "mr-b", "--", "sh", "-c",
+             f'exec {MR_BIN}/metaroce-perf server --once --config "$MR_CONFIG,addr={ip_b}"'],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        try:
+            assert server.stdout is not None
+            first = server.stdout.readline()
+            m = re.search(r"listening on (\S+)", first)
+            assert m, first
+            port = int(m.group(1).rsplit(":", 1)[1])
+            assert MR_PORTS[0] <= port <= MR_PORTS[1], first  # the network's port range
+            out = run(
+                "mr-a",
+                f"{MR_BIN}/metaroce-perf client {m.group(1)} --mode bw "
+                f'--size 65536 --duration 2 --json --config "$MR_CONFIG,addr={ip_a}"',
+                timeout=120,
+            )
+            result = json.loads(out.strip().splitlines()[-1])
+            figures.append(
+                f"metaroce-perf between the pods (64 KiB messages, 2 s, TCG guests): "
+                f"{result['goodput_mbit']} Mbit/s, {result['retransmits']} retransmits of "
+                f"{result['packets_sent']} packets over {len(result['paths'])} paths"
+            )
+            assert result["messages"] > 0 and len(result["paths"]) == 4, result
+        finally:
+            server.kill()
+            server.wait()
+
+        if real is not None and real.guests is not None:
+            # a version no pod holds goes once an agent passes again (here: a rollout); the
+            # one the pods were handed stays (the kubelet's PodResources, the agent's record)
+            stale = f"{MR_LIBDIR}/0.0.0-stale"
+            for g in real.guests:
+                g.run(f"cp -a {library['directory']} {stale}", check=True)
+            kube.kubectl(
+                "patch", "metarocenetwork", MR_NETWORK, "--type=merge",
+                "-p", '{"spec":{"agent":{"logLevel":"debug"}}}',
+            )  # fmt: skip
+
+            def swept() -> bool:
+                listings = [g.run(f"ls {MR_LIBDIR}", check=True).stdout for g in real.guests]
+                return all("0.0.0-stale" not in ls for ls in listings)
+
+            took = _wait("the unused library version removed on both nodes", swept, 300)
+            figures.append(f"metaroce: an unused library version removed {took:.1f} s after")
+            for g in real.guests:
+                assert g.run(f"test -d {library['directory']}").returncode == 0, g.name
+                records = g.run(
+                    f"cat /run/metaroce/agent/{MR_NETWORK}/metaroce-allocations.json", check=True
+                ).stdout
+                assert library["directory"] in records, (g.name, records)
+            for name in names:  # the pods still run on their version
+                assert "libmetaroce-fi.so" in run(name, "ls /opt/metaroce-transport/lib")
+
+        kube.kubectl("delete", "namespace", MR_POD_NAMESPACE, "--wait=true", timeout=240)
+    finally:
+        kube.kubectl("delete", "namespace", MR_POD_NAMESPACE, "--ignore-not-found", check=False)
+        kube.kubectl("delete", "metarocenetwork", MR_NETWORK, "--wait=true", "--ignore-not-found",
+                     timeout=240, check=False)  # fmt: skip
+    _wait("metaroce agent pods gone", lambda: not _mr_agents(kube), 240)
+    real = kube.real_nodes
+    if real is not None and real.guests is not None:
+        for g in real.guests:
+            assert "25000-25999" not in g.run("tc filter show dev eth0 egress", check=True).stdout
+            left = g.run(f"ls {MR_LIBDIR} 2>/dev/null || true", check=True).stdout.strip()
+            assert not left, (g.name, left)

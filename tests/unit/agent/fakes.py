@@ -654,7 +654,7 @@ class FakeKernel:
                         "keys": {
                             "eth_type": "ipv4",
                             "ip_proto": "udp",
-                            "dst_port": int(args[args.index("dst_port") + 1]),
+                            **_port_keys(args),
                         },
                         "not_in_hw": True,
                         "actions": [
@@ -683,6 +683,17 @@ class FakeKernel:
                 del table[pref]
                 return ""
         raise _Fail(1, f"fake tc: unsupported {args}")
+
+
+def _port_keys(args: list[str]) -> dict[str, object]:
+    """flower's port keys as iproute2 prints them: a number, or {start, end} for a range."""
+    out: dict[str, object] = {}
+    for key in ("dst_port", "src_port"):
+        if key in args:
+            value = args[args.index(key) + 1]
+            first, _, last = value.partition("-")
+            out[key] = {"start": int(first), "end": int(last)} if last else int(first)
+    return out
 
 
 class _Fail(Exception):

@@ -237,3 +237,23 @@ def test_deleted_network_with_cleanup_is_reverted_and_reported(tmp_path: Path) -
     statuses = [b["status"] for _, b in kube.applied]
     assert statuses[-1]["phase"] == "Reverted" and statuses[-1]["reverted"] is True
     assert any(s.get("phase") == "Reverting" for s in statuses)
+
+
+def test_the_rdma_probe_is_off_for_metaroce(tmp_path: Path) -> None:
+    from metaroce_agent.cli import _maybe_probe
+
+    tree, kernel = softroce_node(tmp_path / "root")
+    host = FixtureHost(tree.root, runner=kernel)
+    kube = FakeKube({"metadata": {"name": "rdma-a"}, "spec": {}})
+    for mode, probed in (("softroce", True), ("metaroce", False)):
+        extra = {"qos": {"profile": "lossy"}} if mode == "metaroce" else {}
+        cfg = tmp_path / f"{mode}.yaml"
+        cfg.write_text(
+            make_config(
+                nics={"interfaceNames": ["eth0"]}, transport={"mode": mode}, **extra
+            ).to_yaml()
+        )
+        opts = AgentOptions(config_path=cfg, node_name="node-1", metrics_port=None)
+        agent = Agent(opts, host=host, kube=kube)  # type: ignore[arg-type]
+        _maybe_probe(agent, opts)
+        assert (agent.prober is not None) == probed, mode

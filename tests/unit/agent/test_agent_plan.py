@@ -168,13 +168,17 @@ def test_two_numa_nodes_get_both_nics(node) -> None:  # type: ignore[no-untyped-
     assert [d.rdma_device for d in plan.devices] == ["mlx5_0", "mlx5_1"]
 
 
-def test_metaroce_is_a_clear_error_not_a_fallback(node) -> None:  # type: ignore[no-untyped-def]
+def test_metaroce_without_its_library_is_a_clear_error_not_a_fallback(  # type: ignore[no-untyped-def]
+    node, tmp_path, monkeypatch
+) -> None:
+    monkeypatch.setenv("METAROCE_TRANSPORT_DIR", str(tmp_path / "no-transport"))
     n = node(mellanox_node)
     cfg = make_config(transport={"mode": "metaroce"}, qos={"profile": "lossy"})
     inv = n.inventory()
     plan = make_plan(cfg, inv, n.caps(cfg, inv))
     assert not plan.ok and plan.mode == "metaroce" and plan.steps == ()
-    assert "not implemented" in plan.errors[0].message
+    assert "has no MetaRoCE transport" in plan.errors[0].message
+    assert "hack/stage-transport.sh" in plan.errors[0].message
 
 
 def test_rdma_device_glob_selects_existing_rxe(node) -> None:  # type: ignore[no-untyped-def]

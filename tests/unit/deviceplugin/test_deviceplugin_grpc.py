@@ -224,3 +224,67 @@ def test_stop_removes_the_socket(kubelet: KubeletPeer, plugin: DevicePlugin) -> 
     plugin.stop()
     assert not plugin.config.socket_path.exists()
     kubelet.wait("stream ended", lambda: kubelet.endpoint(RESOURCE) is None)
+
+
+def test_metaroce_units_mount_the_library_read_only_with_the_env(
+    kubelet: KubeletPeer, sockdir: Path
+) -> None:
+    from metaroce_api import QosSpec, TransportSpec
+    from metaroce_api.metaroce_env import allocation_env
+
+    env = allocation_env(
+        TransportSpec.model_validate({"mode": "metaroce"}),
+        QosSpec.model_validate({"profile": "lossy"}),
+        ["-"],
+        version="0.1.0",
+        checksum="ab" * 32,
+    )
+    lib = "/run/metaroce/transport/lossy/0.1.0-abababababababab"
+    units = [
+        PluginDevice(
+            rdma_device=nd,
+            uverbs="",
+            netdev=nd,
+            numa_node=0,
+            port_active=True,
+            qos_verified=True,
+            rdma_cm=False,
+            library_dir=lib,
+            env=tuple(sorted(env.items())),
+        )
+        for nd in ("eth1", "eth2")
+    ]
+    recorded: list[tuple[tuple[str, ...], str]] = []
+    plugin = DevicePlugin(
+        PluginConfig(
+            resource_name=RESOURCE,
+            pods_per_device=4,
+            socket_dir=sockdir,
+            poll_interval=0.1,
+            max_backoff=0.5,
+            on_allocate=lambda ids, got: recorded.append((ids, got.mounts[0].host_path)),
+        )
+    )
+    try:
+        plugin.update(units)
+        plugin.start()
+        kubelet.wait("8 units", lambda: len(kubelet.healthy(RESOURCE)) == 8)
+        (got,) = kubelet.allocate(RESOURCE, ["eth2-1", "eth1-0"]).container_responses
+        assert list(got.devices) == []
+        assert [(m.container_path, m.host_path, m.read_only) for m in got.mounts] == [
+            ("/opt/metaroce-transport", lib, True)
+        ]
+        envs = dict(got.envs)
+        assert envs["MR_NCCL_IFNAME"] == "=eth1,eth2" and envs["FI_METAROCE_IFACE"] == "eth1"
+        assert envs["FI_PROVIDER"] == "metaroce" and envs["NCCL_NET_PLUGIN"] == "metaroce"
+        assert envs["FI_PROVIDER_PATH"].startswith("/opt/metaroce-transport/lib:")
+        assert "/usr/lib/x86_64-linux-gnu/libfabric" in envs["FI_PROVIDER_PATH"]
+        assert envs["MR_LIB_DIR"] == envs["MR_FI_PROVIDER_PATH"] == "/opt/metaroce-transport/lib"
+        assert envs["MR_CONFIG"] == (
+            "ports=20000-23999,paths=16,mtu=1500,dscp=26,queue_target_us=500,min_rto_us=5000"
+        )
+        assert envs["MR_TRANSPORT_CHECKSUM"] == "ab" * 32
+        assert "LD_LIBRARY_PATH" not in envs  # the image's own (CUDA's) must stand
+        assert recorded == [(("eth2-1", "eth1-0"), lib)]  # the agent keeps that version
+    finally:
+        plugin.stop()

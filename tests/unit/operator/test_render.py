@@ -117,6 +117,7 @@ def test_daemonset_runs_privileged_host_network_agent(settings: RenderSettings) 
         "/lib/modules",
         "/run/metaroce",
         "/var/lib/kubelet/device-plugins",
+        "/var/lib/kubelet/pod-resources",
     } <= mounts
     config_volume = next(v for v in spec["volumes"] if v["name"] == "config")
     assert config_volume["configMap"]["items"] == [

@@ -394,3 +394,53 @@ def test_empty_resources_as_the_apiserver_sends_them_take_one_op() -> None:
     ]
     assert out["spec"]["containers"][0]["resources"]["limits"] == {"metaroce.io/backend": "1"}
     assert p["spec"]["containers"][0]["resources"] == {}  # the input is never modified
+
+
+LOSSY = view(
+    "lossy",
+    transport={
+        "mode": "metaroce",
+        "mtu": 9000,
+        "metaroce": {"portRange": {"first": 30000, "last": 30999}, "paths": 8},
+    },
+    qos={"profile": "lossy", "data": {"dscp": 34, "priority": 4}},
+)
+
+
+def test_metaroce_network_injects_the_transport_settings_not_the_ib_ones() -> None:
+    out, decision = mutated(pod("lossy"), views(LOSSY))
+    assert env_of(out) == {
+        "FI_PROVIDER": "metaroce",
+        "NCCL_NET_PLUGIN": "metaroce",
+        "MR_CONFIG": (
+            "ports=30000-30999,paths=8,mtu=9000,dscp=34,queue_target_us=500,min_rto_us=5000"
+        ),
+    }
+    assert "devicePluginEnv" not in decision.injected
+    assert out["spec"]["containers"][0]["resources"]["limits"] == {"metaroce.io/lossy": "1"}
+    assert decision.warnings == []
+
+
+def test_metaroce_user_values_win_and_a_job_taken_off_it_is_reported() -> None:
+    p = pod(
+        "lossy",
+        containers=[
+            {
+                "name": "main",
+                "image": "x",
+                "env": [
+                    {"name": "MR_CONFIG", "value": "paths=4"},
+                    {"name": "NCCL_NET_PLUGIN", "value": "aws-ofi"},
+                ],
+            }
+        ],
+    )
+    out, decision = mutated(p, views(LOSSY))
+    env = env_of(out)
+    assert env["MR_CONFIG"] == "paths=4" and env["NCCL_NET_PLUGIN"] == "aws-ofi"
+    assert env["FI_PROVIDER"] == "metaroce"
+    assert decision.injected["keptUserEnv"] == ["MR_CONFIG", "NCCL_NET_PLUGIN"]
+    assert any(
+        "NCCL_NET_PLUGIN='aws-ofi'" in w and "will not use the metaroce transport" in w
+        for w in decision.warnings
+    ), decision.warnings

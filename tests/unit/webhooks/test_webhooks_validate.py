@@ -110,12 +110,12 @@ def check(obj: dict[str, Any], nodes: Any = NODES) -> tuple[list[str], list[str]
         ),
         (
             {
-                "nics": {"drivers": ["virtio_net"]},
+                "nics": {"rdmaDevices": ["rxe*"]},
                 "transport": {"mode": "metaroce"},
                 "qos": {"profile": "lossy"},
             },
-            "spec.transport.mode",
-            ["metaroce runs on RDMA NIC hardware"],
+            "spec.nics.rdmaDevices",
+            ["metaroce serves netdevs, not SoftRoCE devices", "interfaceNames"],
         ),
     ],
 )
@@ -202,15 +202,15 @@ def test_same_agent_ports_on_shared_nodes_warn() -> None:
     assert not [w for w in check(elsewhere)[1] if "host port" in w]
 
 
-def test_metaroce_warns_that_the_agent_lacks_it() -> None:
+def test_metaroce_runs_on_any_netdev_without_warnings() -> None:
     obj = network_obj(
         "new",
-        nics={"interfaceNames": ["ens9"]},
+        nics={"drivers": ["virtio_net"]},
         transport={"mode": "metaroce"},
         qos={"profile": "lossy"},
     )
     problems, warnings = check(obj)
-    assert problems == [] and any("metaroce" in w for w in warnings)
+    assert problems == [] and not any("metaroce" in w for w in warnings), warnings
 
 
 def test_invalid_object_lists_its_issues() -> None:
