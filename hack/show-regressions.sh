@@ -34,7 +34,8 @@ EXPECTED_TO_PASS_ON_BASE="test_the_mac_binds_both_nonces_and_every_field
 test_a_key_file_is_checked_with_an_error_naming_it_and_the_fix
 test_a_journal_with_one_step_for_all_entries_is_read_per_entry
 test_siw_on_the_netdev_is_not_adopted_as_the_rxe_link
-test_odd_files_are_skipped_in_what_is_served"
+test_odd_files_are_skipped_in_what_is_served
+test_the_keys_are_the_key_file_and_the_previous_one_beside_it"
 
 [[ -x .venv/bin/pytest ]] || { echo "run hack/setup.sh first (.venv)" >&2; exit 2; }
 tmp=$(mktemp -d)

@@ -50,7 +50,8 @@ from metaroce_operator.observed import (
     ReportedNic,
     parse_time,
 )
-from metaroce_operator.render import config_generation, render_network
+from metaroce_operator.probekey import ensure_probe_key, probe_key_secret
+from metaroce_operator.render import RenderContext, config_generation, render_network
 from metaroce_operator.render.common import agent_config, anchor_kind, child_name, config_hash
 from metaroce_operator.render.podpolicy import policy_name
 from metaroce_operator.settings import OperatorSettings
@@ -446,9 +447,17 @@ class Controller:
                 namespace_uid=ns_uid,
             )
             role = await self._apply(name, anchored()[:1])
-            children = anchored(anchor_uid=str(role[0]["metadata"]["uid"]))
+            anchor_uid = str(role[0]["metadata"]["uid"])
+            children = anchored(anchor_uid=anchor_uid)
+            await self._ensure_probe_key(
+                name, RenderContext.build(network, self.settings.render, config_gen,
+                                          anchor_uid, ns_uid)
+            )  # fmt: skip
             await self._apply(name, children[1:])
         else:
+            await self._ensure_probe_key(
+                name, RenderContext.build(network, self.settings.render, config_gen)
+            )
             await self._apply(name, children)
         await self._drop_leftover_policies(name)
         if has and not wants:
@@ -488,6 +497,15 @@ class Controller:
         except ApplyFailed as err:
             self._apply_failed(name, err)
             raise
+
+    async def _ensure_probe_key(self, name: str, ctx: RenderContext) -> None:
+        """The network's probe-key Secret, before the DaemonSet that mounts it."""
+        try:
+            await ensure_probe_key(self.kube, ctx)
+        except ApiError as err:
+            failure = ApplyFailed(probe_key_secret(ctx), err)  # no data: nothing secret
+            self._apply_failed(name, failure)
+            raise failure from err
 
     async def _holding_conflicts(self, name: str, network: MetaRoceNetwork) -> list[Conflict]:
         """Conflicts with older networks, from a fresh list (a network created a moment

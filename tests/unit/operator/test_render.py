@@ -119,7 +119,7 @@ def test_daemonset_runs_privileged_host_network_agent(settings: RenderSettings) 
         "/var/lib/kubelet/device-plugins",
     } <= mounts
     config_volume = next(v for v in spec["volumes"] if v["name"] == "config")
-    assert config_volume["configMap"]["items"] == [
+    assert config_volume["projected"]["sources"][0]["configMap"]["items"] == [
         {"key": c.AGENT_CONFIG_KEY, "path": "agent.yaml"}
     ]
     assert container["resources"] == {
