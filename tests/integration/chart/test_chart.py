@@ -116,7 +116,7 @@ AGGREGATE = "rbac.authorization.k8s.io/aggregate-to-"
 
 
 def test_default_roles_get_read_access_only_issue_16_11(cluster: LocalCluster) -> None:
-    """`create` on networks is node root (a privileged hostPID agent on every selected
+    """`create` on networks is node root (a privileged hostNetwork agent on every selected
     node, NICs of the creator's choosing): the chart aggregates only reading into the
     default view/edit/admin roles, never writing into edit or admin."""
     docs = chart.render(cluster, "metaroce", {})
