@@ -24,6 +24,7 @@ tests=(
   tests/unit/agent/test_agent_probe_rails.py  # finding 10: every served device probed
   tests/unit/agent/test_agent_rxe_users.py    # finding 12: rxe users seen without hostPID
   tests/unit/agent/test_agent_exporter_render.py  # bench items: what /metrics serves, escaped
+  tests/unit/agent/test_agent_health_endpoints.py  # issue 16 #15: /readyz = verified, /livez
 )
 # the tests' own fixtures (additions only) go along with them
 support=(tests/unit/agent/fakes.py tests/unit/agent/conftest.py)

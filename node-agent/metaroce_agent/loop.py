@@ -51,6 +51,27 @@ POLL_SECONDS = 5.0
 """How often the loop looks at the node between passes (config file, inventory)."""
 RETRY_BASE_SECONDS = 5.0
 RETRY_MAX_SECONDS = 300.0
+LIVENESS_SECONDS = 600.0
+"""/livez fails once the loop has not turned for this long: no pass takes minutes, so
+one that does is stuck (in a kernel call, a hung command) and a restart is the cure."""
+
+
+def readiness(status: MetaRoceNodeStateStatus | None, generation: int) -> tuple[bool, str]:
+    """/readyz (pure): ready exactly when the node's plan for the current config
+    (`generation`) is applied and verified, i.e. the NodeState's phase is Ready for it.
+    What the DaemonSet's rollout gates on (`maxUnavailable`, `minReadySeconds`)."""
+    if status is None:
+        return False, "not applied yet"
+    if status.config_generation != generation:
+        return False, (
+            f"config generation {generation} not applied yet "
+            f"(the node has generation {status.config_generation})"
+        )
+    if status.phase != "Ready":
+        ready = next((c for c in status.conditions or [] if c.type == "Ready"), None)
+        why = f": {ready.message}" if ready is not None and ready.message else ""
+        return False, f"{status.phase}{why}"[:2000]
+    return True, f"applied and verified (config generation {generation})"
 
 
 def retry_delay(
@@ -181,6 +202,8 @@ class Agent:
         self._seen: tuple[Any, ...] = ()
         self.plugin: Any = None
         """The running `DevicePlugin` (imported lazily: grpcio is only needed with one)."""
+        self.heartbeat = time.monotonic()
+        """When the loop last turned (`beat`), for /livez."""
         self._warm_up()
 
     def _warm_up(self) -> None:
@@ -506,14 +529,31 @@ class Agent:
                 log.warning("watch of network %s: %s; retrying in 5 s", name, e)
                 self.stop_event.wait(5)
 
+    # --- health --------------------------------------------------------------------------
+    def beat(self) -> None:
+        self.heartbeat = time.monotonic()
+
+    def ready(self) -> tuple[bool, str]:
+        return readiness(self.state.status, self.config.generation)
+
+    def live(self) -> tuple[bool, str]:
+        idle = time.monotonic() - self.heartbeat
+        if idle > LIVENESS_SECONDS:
+            return False, f"the agent's loop has not turned for {idle:.0f} s"
+        return True, f"the loop turned {idle:.0f} s ago"
+
     # --- run -----------------------------------------------------------------------------
     def serve_metrics(self) -> None:
-        """Serve /metrics; a port someone else holds (e.g. another network's agent on this
-        node) costs the metrics, not the node's RDMA: the agent goes on without them."""
+        """Serve /metrics, /readyz and /livez; a port someone else holds (e.g. another
+        network's agent on this node) costs the metrics, not the node's RDMA: the agent
+        goes on without them."""
         if self.options.metrics_port is not None and self.server is None:
             try:
                 self.server = MetricsServer(
-                    self.metrics, self.options.metrics_address, self.options.metrics_port
+                    self.metrics,
+                    self.options.metrics_address,
+                    self.options.metrics_port,
+                    checks={"/readyz": self.ready, "/livez": self.live},
                 )
             except OSError as e:
                 log.error(
@@ -535,6 +575,7 @@ class Agent:
             self.prober.start()
         next_drift = time.monotonic() + self.drift_seconds
         while not self.stop_event.is_set():
+            self.beat()
             due = [next_drift, time.monotonic() + POLL_SECONDS]
             if self.state.next_retry is not None:
                 due.append(self.state.next_retry)

@@ -48,6 +48,10 @@ def tolerations(network: MetaRoceNetwork) -> list[dict[str, Any]]:
     return out
 
 
+MIN_READY_SECONDS = 15
+"""How long an agent must be ready (verified) before the rollout moves on (#15)."""
+
+
 def render_daemonset(ctx: RenderContext) -> dict[str, Any]:
     spec = ctx.network.spec
     node_selector, affinity = node_placement(ctx.network)
@@ -57,6 +61,7 @@ def render_daemonset(ctx: RenderContext) -> dict[str, Any]:
         **ctx.values(),
         selector=ctx.selector,
         max_unavailable=spec.agent.update_strategy.max_unavailable,
+        min_ready_seconds=MIN_READY_SECONDS,
         pod_annotations={
             c.CONFIG_HASH_ANNOTATION: ctx.config_hash,
             c.METRICS_PORT_ANNOTATION: str(spec.agent.metrics_port),

@@ -33,3 +33,25 @@ def test_the_agents_do_not_share_the_host_s_pid_namespace(settings: RenderSettin
     edited = {**ds, "spec": {**ds["spec"], "template": {**ds["spec"]["template"]}}}
     edited["spec"]["template"]["spec"] = {**pod, "hostPID": True}
     assert daemonset_drift(ds, edited) == ["hostPID"]
+
+
+def test_a_rollout_gates_on_verified_agents_issue_16_15(settings: RenderSettings) -> None:
+    """#15: readiness is the agent's /readyz (its plan for the current config applied
+    and verified), held for minReadySeconds before an agent counts as available, so
+    `maxUnavailable` waits for working agents; /livez restarts a hung agent, after a
+    startup probe that lets a slow node (a TCG guest starts Python in ~15 s) come up."""
+    ds = _daemonset(settings, agent={"metricsPort": 9479})
+    assert ds["spec"]["minReadySeconds"] >= 10
+    assert ds["spec"]["updateStrategy"]["rollingUpdate"]["maxUnavailable"]
+    (agent,) = ds["spec"]["template"]["spec"]["containers"]
+    ready, live, startup = (agent[k] for k in ("readinessProbe", "livenessProbe", "startupProbe"))
+    assert ready["httpGet"] == {"path": "/readyz", "port": 9479}
+    assert live["httpGet"] == {"path": "/livez", "port": 9479}
+    assert startup["httpGet"] == {"path": "/livez", "port": 9479}
+    # the agent binds its metrics port on every address: the kubelet probes the pod IP,
+    # which with hostNetwork is the node's
+    assert "--metrics-port=9479" in agent["command"]
+    assert not any(a.startswith("--metrics-address") for a in agent["command"])
+    # a restart must not come from a slow pass: liveness allows minutes, startup ten
+    assert live["periodSeconds"] * live["failureThreshold"] >= 60
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 300
