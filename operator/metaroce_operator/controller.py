@@ -31,6 +31,7 @@ from metaroce_api import InvalidObject, MetaRoceNetwork, validate_network
 from metaroce_api import constants as c
 from metaroce_operator import cleanup, crash, events, metrics, probes, taints
 from metaroce_operator.apply import ApplyFailed, apply_children
+from metaroce_operator.claim import CLAIM_ANNOTATION, claim_patch, claimant, split_claim
 from metaroce_operator.conflicts import (
     Conflict,
     created_order,
@@ -59,6 +60,7 @@ from metaroce_operator.status import (
     CONFIGURED_PHASES,
     BatchLoop,
     CleanupView,
+    EventSpec,
     Observed,
     compute_status,
     invalid_status,
@@ -72,6 +74,7 @@ from metaroce_operator.status import (
 log = logging.getLogger("metaroce.operator.controller")
 
 NETWORK = KINDS[(c.API_VERSION, c.NETWORK_KIND)]
+LEASE = KINDS[("coordination.k8s.io/v1", "Lease")]
 NODESTATE = KINDS[(c.API_VERSION, c.NODESTATE_KIND)]
 CONFIGMAP = KINDS[("v1", "ConfigMap")]
 CLUSTERROLE = KINDS[("rbac.authorization.k8s.io/v1", "ClusterRole")]
@@ -128,6 +131,8 @@ class Store:
         self.policies_checked: set[str] = set()
         """Webhook admission mode: networks whose leftover pod policies (from a run in
         policy mode) this process has deleted, once per network."""
+        self.foreign: dict[str, str] = {}
+        """Networks claimed by another operator (see `claim`): network -> its Lease."""
 
     def set_network(self, body: dict[str, Any]) -> bool:
         """Keep the newest body (see `freshness`: resourceVersions are never compared)."""
@@ -155,6 +160,7 @@ class Store:
             self.taint_notes,
             self.unhealthy,
             self.rendered,
+            self.foreign,
         ):
             table.pop(name, None)
         self.policies_checked.discard(name)
@@ -377,6 +383,92 @@ class Controller:
                 log.warning("reconcile of %s failed (%s), retrying", name, err)
                 await asyncio.sleep(2.0 * (attempt + 1))
 
+    # -- the claim (one operator per network, see `claim`) ---------------------------------
+
+    @property
+    def lease_ref(self) -> str:
+        return f"{self.settings.lease_namespace}/{self.settings.lease_name}"
+
+    def _mine(self, body: Mapping[str, Any]) -> bool:
+        return claimant(body) == self.lease_ref
+
+    async def _claim(self, name: str, body: dict[str, Any]) -> bool:
+        """Whether this operator may act on the network: it holds the claim, or takes it
+        (unclaimed, or claimed by an operator whose Lease is gone)."""
+        for _ in range(3):
+            claim = claimant(body)
+            if claim == self.lease_ref:
+                self._not_foreign(name)
+                return True
+            if claim is not None and not await self._claimant_gone(claim):
+                await self._foreign(name, body, claim)
+                return False
+            try:
+                result = await self.kube.patch(NETWORK, name, claim_patch(body, self.lease_ref))
+            except ApiError as err:
+                if err.status != 409:
+                    raise
+                fresh = await self.kube.get_or_none(NETWORK, name)  # another leader raced us
+                if fresh is None:
+                    return False
+                body = fresh
+                continue
+            if claim is None:
+                log.info("%s: claimed by this operator (lease %s)", name, self.lease_ref)
+            else:
+                log.warning(
+                    "%s: took it over from the operator of lease %s, which no longer exists",
+                    name, claim,
+                )  # fmt: skip
+            self.store.set_network(result)
+            self._not_foreign(name)
+            return True
+        return False
+
+    async def _claimant_gone(self, claim: str) -> bool:
+        """Whether the claimant's Lease no longer exists (its release is uninstalled). An
+        expired Lease is an operator that is down, not gone: its agents still run."""
+        where = split_claim(claim)
+        if where is None:
+            return False  # not a Lease reference: a person must look (see `_foreign`)
+        try:
+            await self.kube.get(LEASE, where[1], where[0])
+        except ApiError as err:
+            if err.status == 404:
+                return True
+            if err.status == 403:  # a lease name the chart's RBAC does not cover
+                log.debug("cannot read the claimant's lease %s: %s", claim, err)
+                return False
+            raise
+        return False
+
+    async def _foreign(self, name: str, body: dict[str, Any], claim: str) -> None:
+        if self.store.foreign.get(name) == claim:
+            return
+        self.store.foreign[name] = claim
+        metrics.FOREIGN_NETWORKS.set(len(self.store.foreign))
+        message = (
+            f"network {name} is managed by the operator of lease {claim}; this operator "
+            f"(lease {self.lease_ref}) leaves it alone. Run one operator per cluster, or, "
+            f"if that operator is gone for good, remove the claim: kubectl annotate "
+            f"{c.NETWORK_PLURAL} {name} {CLAIM_ANNOTATION}-"
+        )
+        log.warning("%s", message)
+        spec = EventSpec("Warning", "ClaimedByAnotherOperator", message)
+        await events.post(self.kube, body, spec, self.settings.identity)
+
+    def _not_foreign(self, name: str) -> None:
+        if self.store.foreign.pop(name, None) is not None:
+            metrics.FOREIGN_NETWORKS.set(len(self.store.foreign))
+
+    async def _take_over_gone_claims(self) -> None:
+        """Node pass: reconcile a foreign network whose claimant's Lease is gone."""
+        for name, claim in list(self.store.foreign.items()):
+            if await self._claimant_gone(claim):
+                log.info("%s: its operator (lease %s) is gone; taking it over", name, claim)
+                self.store.foreign.pop(name, None)
+                self._spawn(self._reconcile_retrying(name), f"reconcile {name}")
+
     # -- reconcile ------------------------------------------------------------------------
 
     async def reconcile(self, body: dict[str, Any]) -> None:
@@ -406,6 +498,8 @@ class Controller:
 
     async def _reconcile(self, name: str, body: dict[str, Any]) -> None:
         self.store.set_network(body)
+        if not await self._claim(name, body):
+            return  # another operator's network: no children, status, taints or cleanup
         try:
             network = validate_network(body)
         except InvalidObject as err:
@@ -579,7 +673,7 @@ class Controller:
     async def flush(self, name: str) -> None:
         """Compute the status of one network and write it if it changed."""
         body = self.store.networks.get(name)
-        if body is None:
+        if body is None or not self._mine(body):
             return
         if not self.synced:  # the batch loop starts after the sync; belt and braces
             self.batch.mark(name)
@@ -756,6 +850,7 @@ class Controller:
                 continue
             with contextlib.suppress(InvalidObject):
                 valid[name] = validate_network(body)
+        await self._take_over_gone_claims()
         labels = {name: view.labels for name, view in self.store.nodes.items()}
         for name, network in valid.items():
             eligible = frozenset(
@@ -770,7 +865,8 @@ class Controller:
         self._check_conflicts(valid, labels)
         await self._remove_orphaned_taints(known)
         for name, network in valid.items():
-            await self._taints(name, network, known)
+            if self._mine(self.store.networks.get(name) or {}):
+                await self._taints(name, network, known)
 
     async def _remove_orphaned_taints(self, live_networks: set[str]) -> None:
         """Taints of networks that are gone (the network's own planning stops with it)."""
