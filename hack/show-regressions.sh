@@ -25,6 +25,7 @@ tests=(
   tests/unit/agent/test_agent_rxe_users.py    # finding 12: rxe users seen without hostPID
   tests/unit/agent/test_agent_exporter_render.py  # bench items: what /metrics serves, escaped
   tests/unit/agent/test_agent_health_endpoints.py  # issue 16 #15: /readyz = verified, /livez
+  tests/unit/agent/test_agent_node_label.py  # finding 4: the operator's label asks for a revert
 )
 # the tests' own fixtures (additions only) go along with them
 support=(tests/unit/agent/fakes.py tests/unit/agent/conftest.py)

@@ -39,7 +39,7 @@ from metaroce_agent.discover import Inventory, discover
 from metaroce_agent.engine import ApplyResult, Engine, Journal
 from metaroce_agent.exporter import AgentMetrics, MetricsServer, RdmaCounterCollector
 from metaroce_agent.host import Host
-from metaroce_agent.kube import KubeClient, KubeError, cluster_path
+from metaroce_agent.kube import METADATA_WATCH, KubeClient, KubeError, cluster_path
 from metaroce_agent.plan import Plan, make_plan, select_netdevs
 from metaroce_agent.report import ErrorLog, NodeStateWriter, build_status, now
 from metaroce_api import AgentConfig, MetaRoceNodeStateStatus, ProbeSummary, constants
@@ -196,6 +196,9 @@ class Agent:
         self.wake = threading.Event()
         self.stop_event = threading.Event()
         self.deleting = threading.Event()
+        self.left_network = False
+        """The operator's node label asks this agent to revert the node: it left the
+        network's nodeSelector (see the operator's nodelabels.py)."""
         self.cleanup_on_delete = self.config.cleanup_on_delete
         self.prober: Any = None
         self._lock = threading.Lock()
@@ -367,12 +370,10 @@ class Agent:
                 )
             self.report()
 
-    def revert(self) -> None:
+    def revert(self, why: str = "is being deleted") -> None:
         with self._lock:
             st = self.state
-            log.warning(
-                "network %s is being deleted with cleanupOnDelete: reverting", self.config.network
-            )
+            log.warning("network %s %s with cleanupOnDelete: reverting", self.config.network, why)
             st.status = self._status(reverting=True)
             self._write(st.status)
             result = self.engine.revert()
@@ -498,6 +499,46 @@ class Agent:
             self.deleting.set()
             self.wake.set()
 
+    def _check_node(self, obj: dict[str, Any] | None) -> None:
+        """The operator's label on this node: `revert` once the node left the network's
+        nodeSelector (its agent reverts before it goes), `selected` while it is in."""
+        if obj is None:
+            return
+        labels = (obj.get("metadata") or {}).get("labels") or {}
+        left = labels.get(constants.node_label(self.config.network)) == constants.NODE_REVERT
+        if left != self.left_network:
+            self.left_network = left
+            log.info(
+                "this node %s network %s's nodeSelector",
+                "left" if left else "is in", self.config.network,
+            )  # fmt: skip
+            self.wake.set()
+
+    def watch_node(self) -> None:
+        """Thread: follow this node's labels (metadata only, see `_check_node`)."""
+        assert self.kube is not None
+        base = "/api/v1/nodes"
+        name = self.options.node_name
+        while not self.stop_event.is_set():
+            try:
+                obj = self.kube.get(f"{base}/{name}")
+                self._check_node(obj)
+                rv = ((obj or {}).get("metadata") or {}).get("resourceVersion", "")
+                params = {"fieldSelector": f"metadata.name={name}", "timeoutSeconds": "300"}
+                if rv:
+                    params["resourceVersion"] = rv
+                started = time.monotonic()
+                for event in self.kube.watch(base, params, accept=METADATA_WATCH):
+                    if event.get("type") in ("ADDED", "MODIFIED"):
+                        self._check_node(event.get("object"))
+                    if self.stop_event.is_set():
+                        return
+                if time.monotonic() - started < 1:  # a watch that ends at once: no busy loop
+                    self.stop_event.wait(1)
+            except KubeError as e:
+                log.warning("watch of node %s: %s; retrying in 5 s", name, e)
+                self.stop_event.wait(5)
+
     def watch_network(self) -> None:
         """Thread: follow the network object; flag its deletion."""
         assert self.kube is not None
@@ -571,6 +612,7 @@ class Agent:
         self.apply_pass()
         if self.writer is not None and self.options.watch:
             threading.Thread(target=self.watch_network, name="network-watch", daemon=True).start()
+            threading.Thread(target=self.watch_node, name="node-watch", daemon=True).start()
         if self.prober is not None:
             self.prober.start()
         next_drift = time.monotonic() + self.drift_seconds
@@ -591,8 +633,19 @@ class Agent:
                     log.info("network deleted without cleanupOnDelete: leaving the node as it is")
                     self.deleting.clear()
                 continue
+            if self.left_network and not self.state.reverted and not self.deleting.is_set():
+                if self.cleanup_on_delete:
+                    self.revert("left this node's nodeSelector")
+                continue  # without cleanupOnDelete the operator lets the agent go as it is
             if self.state.reverted:
-                continue  # idle until the DaemonSet goes away
+                if self.left_network or self.deleting.is_set():
+                    continue  # idle until the DaemonSet goes away
+                log.info("this node is in network %s again: applying", self.config.network)
+                self.state.reverted = False  # selected again before the agent went
+                self.start_plugin()
+                self.apply_pass()
+                next_drift = time.monotonic() + self.drift_seconds
+                continue
             if self._mtime() != self._config_mtime:
                 self._reload()
                 next_drift = time.monotonic() + self.drift_seconds

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import time
 from collections import defaultdict
 from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ from metaroce_operator.freshness import NetworkBodies
 from metaroce_operator.images import image_refusal
 from metaroce_operator.informer import Informer
 from metaroce_operator.kube import KINDS, ApiError, Kube, NotLeader
+from metaroce_operator.nodelabels import orphaned_labels, plan_labels
 from metaroce_operator.observed import (
     DaemonSetView,
     NodeReport,
@@ -133,6 +135,9 @@ class Store:
         policy mode) this process has deleted, once per network."""
         self.foreign: dict[str, str] = {}
         """Networks claimed by another operator (see `claim`): network -> its Lease."""
+        self.revert_asked: dict[tuple[str, str], float] = {}
+        """(network, node) -> when the node's label asked its agent to revert
+        (`time.monotonic()`; see nodelabels.py)."""
 
     def set_network(self, body: dict[str, Any]) -> bool:
         """Keep the newest body (see `freshness`: resourceVersions are never compared)."""
@@ -864,9 +869,59 @@ class Controller:
                 self.batch.mark(name)
         self._check_conflicts(valid, labels)
         await self._remove_orphaned_taints(known)
+        await self._remove_orphaned_labels(known)
         for name, network in valid.items():
             if self._mine(self.store.networks.get(name) or {}):
+                await self._node_labels(name, network)
                 await self._taints(name, network, known)
+
+    async def _node_labels(self, name: str, network: MetaRoceNetwork) -> None:
+        """The network's node label on the nodes it selects, and off those that left
+        once their agent reverted them (with cleanupOnDelete; see nodelabels.py)."""
+        label = c.node_label(name)
+        labels = {node: view.labels for node, view in (self.store.nodes or {}).items()}
+        phases = {node: r.phase for node, r in self.store.reports.get(name, {}).items()}
+        clock = time.monotonic()
+        timed_out = {
+            node
+            for (net, node), asked in self.store.revert_asked.items()
+            if net == name and clock - asked > self.settings.cleanup_timeout
+        }
+        plan = plan_labels(
+            label,
+            self.store.eligible.get(name, frozenset()),
+            labels,
+            phases,
+            network.spec.cleanup_on_delete,
+            timed_out,
+        )
+        for node, value in plan.items():
+            await self._set_node_label(node, label, value)
+            if value == c.NODE_REVERT:
+                self.store.revert_asked.setdefault((name, node), clock)
+                log.info("%s: node %s left the network: asked its agent to revert it", name, node)
+            else:
+                self.store.revert_asked.pop((name, node), None)
+                if value is None:
+                    why = "timed out reverting" if node in timed_out else "left the network"
+                    log.info("%s: node %s %s: its agent goes", name, node, why)
+
+    async def _set_node_label(self, node: str, label: str, value: str | None) -> None:
+        patch = {"metadata": {"labels": {label: value}}}
+        try:
+            await self.kube.patch(NODE, node, patch)
+        except ApiError as err:
+            if err.status != 404:  # a node deleted meanwhile has no label to keep
+                raise
+
+    async def _remove_orphaned_labels(self, live_networks: set[str]) -> None:
+        """Node labels of networks that are gone (after their agents, see nodelabels.py)."""
+        labels = {node: view.labels for node, view in (self.store.nodes or {}).items()}
+        live = {c.node_label(n) for n in live_networks}
+        for node, gone in orphaned_labels(labels, live).items():
+            for label in gone:
+                await self._set_node_label(node, label, None)
+                log.info("removed the label %s of a deleted network from node %s", label, node)
 
     async def _remove_orphaned_taints(self, live_networks: set[str]) -> None:
         """Taints of networks that are gone (the network's own planning stops with it)."""

@@ -241,3 +241,25 @@ def test_the_operator_writes_only_probe_key_secrets_and_its_certificate_issue_15
     assert not ok and "probe-key" in err, err
     inst.cluster.kubectl("delete", "secret", name, helm, other, "-n", ns, "--wait=false",
                          check=False)  # fmt: skip
+
+
+def test_the_operator_sets_only_its_networks_node_labels_issue_15_4(installed: Installed) -> None:
+    """Issue 15 finding 4: the operator manages `metaroce.io/agent-<network>` on Nodes
+    (the label that keeps an agent until it reverted its node); no other label, not even
+    a user's own `metaroce.io/*` selection label."""
+    inst = installed
+    _policy_ready(inst)
+    for value in ("selected", "revert", None):
+        patch = {"metadata": {"labels": {"metaroce.io/agent-net": value}}}
+        ok, err = inst.as_operator(
+            "patch", "node", inst.node, "--type=merge", "-p", json.dumps(patch)
+        )
+        assert ok, err
+    for labels in ({"metaroce.io/rdma": "true"}, {"kubernetes.io/hostname": "x"},
+                   {"metaroce.io/agent-net": "selected", "zone": "a"}):  # fmt: skip
+        patch = {"metadata": {"labels": labels}}
+        ok, err = inst.as_operator(
+            "patch", "node", inst.node, "--type=merge", "-p", json.dumps(patch)
+        )
+        assert not ok, f"the operator could set the labels {labels}"
+        assert "metaroce.io/agent-" in err, err

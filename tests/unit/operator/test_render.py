@@ -151,10 +151,17 @@ def test_node_selector_tolerations_and_update_strategy(settings: RenderSettings)
     objs = render_network(net, settings)
     ds = by_kind(objs)["DaemonSet"]
     spec = pod_spec(objs)
-    assert spec["nodeSelector"] == {"rdma": "yes", "kubernetes.io/os": "linux"}
+    assert spec["nodeSelector"] == {"kubernetes.io/os": "linux"}
     terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    # the selector, or the operator's label that keeps an agent until it reverted
     assert terms["nodeSelectorTerms"] == [
-        {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a", "b"]}]}
+        {
+            "matchExpressions": [
+                {"key": "rdma", "operator": "In", "values": ["yes"]},
+                {"key": "zone", "operator": "In", "values": ["a", "b"]},
+            ]
+        },
+        {"matchExpressions": [{"key": c.node_label(net.name), "operator": "Exists"}]},
     ]
     assert {"key": "gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
     assert {
@@ -267,7 +274,7 @@ def test_agent_rbac_is_least_privilege(settings: RenderSettings) -> None:
     networks = flat[(("metaroce.io",), ("metarocenetworks",))]
     assert networks["verbs"] == ["get", "list", "watch"]
     assert networks["resourceNames"] == ["fabric"]
-    assert flat[(("",), ("nodes",))]["verbs"] == ["get"]
+    assert flat[(("",), ("nodes",))]["verbs"] == ["get", "list", "watch"]
     assert "delete" not in {v for r in rules for v in r["verbs"]}
     binding = objs["ClusterRoleBinding"]
     assert binding["subjects"] == [
