@@ -24,6 +24,8 @@ tests=(
   tests/unit/agent/test_agent_probe_rails.py  # finding 10: every served device probed
   tests/unit/agent/test_agent_rxe_users.py    # finding 12: rxe users seen without hostPID
   tests/unit/agent/test_agent_exporter_render.py  # bench items: what /metrics serves, escaped
+  tests/unit/agent/test_agent_health_endpoints.py  # issue 16 #15: /readyz = verified, /livez
+  tests/unit/agent/test_agent_node_label.py  # finding 4: the operator's label asks for a revert
 )
 # the tests' own fixtures (additions only) go along with them
 support=(tests/unit/agent/fakes.py tests/unit/agent/conftest.py)
@@ -34,7 +36,8 @@ EXPECTED_TO_PASS_ON_BASE="test_the_mac_binds_both_nonces_and_every_field
 test_a_key_file_is_checked_with_an_error_naming_it_and_the_fix
 test_a_journal_with_one_step_for_all_entries_is_read_per_entry
 test_siw_on_the_netdev_is_not_adopted_as_the_rxe_link
-test_odd_files_are_skipped_in_what_is_served"
+test_odd_files_are_skipped_in_what_is_served
+test_the_keys_are_the_key_file_and_the_previous_one_beside_it"
 
 [[ -x .venv/bin/pytest ]] || { echo "run hack/setup.sh first (.venv)" >&2; exit 2; }
 tmp=$(mktemp -d)

@@ -4,6 +4,7 @@ Kept in one module so that the operator, the agent, the webhook and the chart ca
 apart on a spelling.
 """
 
+import hashlib
 from typing import Final
 
 # --- API coordinates ---------------------------------------------------------------
@@ -63,6 +64,22 @@ AGENT_FIELD_MANAGER: Final = "metaroce-agent"
 UNHEALTHY_TAINT_KEY: Final = f"{GROUP}/rdma-unhealthy"
 """NoSchedule taint put on nodes whose RDMA probe fails (health.action: taint)."""
 UNHEALTHY_TAINT_EFFECT: Final = "NoSchedule"
+NODE_LABEL_PREFIX: Final = f"{GROUP}/agent-"
+"""The operator-managed node label of a network (`node_label`): the only Node labels the
+operator writes (its admission policy allows no others)."""
+NODE_SELECTED: Final = "selected"
+NODE_REVERT: Final = "revert"
+"""Values of a network's node label: the node is the network's, or it left the network's
+nodeSelector and its agent must revert it first (cleanupOnDelete)."""
+
+
+def node_label(network: str) -> str:
+    """`metaroce.io/agent-<network>`, the name part cut to 63 characters with a hash."""
+    name = "agent-" + network
+    if len(name) > 63:
+        name = f"{name[:52].rstrip('.-_')}-{hashlib.sha256(network.encode()).hexdigest()[:10]}"
+    return f"{GROUP}/{name}"
+
 
 # --- resource and object names ----------------------------------------------------------
 RESOURCE_NAME_TEMPLATE: Final = GROUP + "/{network}"

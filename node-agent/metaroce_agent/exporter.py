@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -239,15 +239,33 @@ def _version() -> str:
     return __version__
 
 
-class MetricsServer:
-    """The HTTP endpoint: GET /metrics (a small threaded stdlib server)."""
+Check = Callable[[], tuple[bool, str]]
+"""A health check: (passing, what it says)."""
 
-    def __init__(self, metrics: AgentMetrics, address: str, port: int) -> None:
+
+class MetricsServer:
+    """The HTTP endpoint: GET /metrics, and the `checks` by path (e.g. /readyz, /livez:
+    200 when passing, 503 when not, the check's text as the body) -- a small threaded
+    stdlib server."""
+
+    def __init__(
+        self,
+        metrics: AgentMetrics,
+        address: str,
+        port: int,
+        checks: Mapping[str, Check] | None = None,
+    ) -> None:
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        routes: dict[str, Check] = dict(checks or {})
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
-                if self.path.split("?")[0] not in ("/metrics", "/"):
+                path = self.path.split("?")[0]
+                if path in routes:
+                    self._check(routes[path])
+                    return
+                if path not in ("/metrics", "/"):
                     self.send_error(404, "try /metrics")
                     return
                 try:
@@ -258,6 +276,18 @@ class MetricsServer:
                     return
                 self.send_response(200)
                 self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def _check(self, check: Check) -> None:
+                try:
+                    passing, text = check()
+                except Exception as e:  # a broken check fails; it must not kill the server
+                    passing, text = False, f"the check failed: {e}"
+                body = (text + "\n").encode()
+                self.send_response(200 if passing else 503)
+                self.send_header("Content-Type", "text/plain; charset=utf-8")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)

@@ -40,7 +40,7 @@ from metaroce_agent.discover import Inventory, discover
 from metaroce_agent.engine import ApplyResult, Engine, Journal
 from metaroce_agent.exporter import AgentMetrics, MetricsServer, RdmaCounterCollector
 from metaroce_agent.host import Host
-from metaroce_agent.kube import KubeClient, KubeError, cluster_path
+from metaroce_agent.kube import METADATA_WATCH, KubeClient, KubeError, cluster_path
 from metaroce_agent.plan import Plan, make_plan, select_netdevs
 from metaroce_agent.report import ErrorLog, NodeStateWriter, build_status, now
 from metaroce_api import AgentConfig, MetaRoceNodeStateStatus, ProbeSummary, constants
@@ -52,6 +52,27 @@ POLL_SECONDS = 5.0
 """How often the loop looks at the node between passes (config file, inventory)."""
 RETRY_BASE_SECONDS = 5.0
 RETRY_MAX_SECONDS = 300.0
+LIVENESS_SECONDS = 600.0
+"""/livez fails once the loop has not turned for this long: no pass takes minutes, so
+one that does is stuck (in a kernel call, a hung command) and a restart is the cure."""
+
+
+def readiness(status: MetaRoceNodeStateStatus | None, generation: int) -> tuple[bool, str]:
+    """/readyz (pure): ready exactly when the node's plan for the current config
+    (`generation`) is applied and verified, i.e. the NodeState's phase is Ready for it.
+    What the DaemonSet's rollout gates on (`maxUnavailable`, `minReadySeconds`)."""
+    if status is None:
+        return False, "not applied yet"
+    if status.config_generation != generation:
+        return False, (
+            f"config generation {generation} not applied yet "
+            f"(the node has generation {status.config_generation})"
+        )
+    if status.phase != "Ready":
+        ready = next((c for c in status.conditions or [] if c.type == "Ready"), None)
+        why = f": {ready.message}" if ready is not None and ready.message else ""
+        return False, f"{status.phase}{why}"[:2000]
+    return True, f"applied and verified (config generation {generation})"
 
 
 def retry_delay(
@@ -179,6 +200,9 @@ class Agent:
         self.wake = threading.Event()
         self.stop_event = threading.Event()
         self.deleting = threading.Event()
+        self.left_network = False
+        """The operator's node label asks this agent to revert the node: it left the
+        network's nodeSelector (see the operator's nodelabels.py)."""
         self.cleanup_on_delete = self.config.cleanup_on_delete
         self.prober: Any = None
         self._lock = threading.Lock()
@@ -187,6 +211,8 @@ class Agent:
         """The running `DevicePlugin` (imported lazily: grpcio is only needed with one)."""
         self._allocations_lock = threading.Lock()
         self._allocations: dict[str, str] | None = None
+        self.heartbeat = time.monotonic()
+        """When the loop last turned (`beat`), for /livez."""
         self._warm_up()
 
     def _warm_up(self) -> None:
@@ -353,12 +379,10 @@ class Agent:
                 )
             self.report()
 
-    def revert(self) -> None:
+    def revert(self, why: str = "is being deleted") -> None:
         with self._lock:
             st = self.state
-            log.warning(
-                "network %s is being deleted with cleanupOnDelete: reverting", self.config.network
-            )
+            log.warning("network %s %s with cleanupOnDelete: reverting", self.config.network, why)
             st.status = self._status(reverting=True)
             self._write(st.status)
             result = self.engine.revert()
@@ -541,6 +565,46 @@ class Agent:
             self.deleting.set()
             self.wake.set()
 
+    def _check_node(self, obj: dict[str, Any] | None) -> None:
+        """The operator's label on this node: `revert` once the node left the network's
+        nodeSelector (its agent reverts before it goes), `selected` while it is in."""
+        if obj is None:
+            return
+        labels = (obj.get("metadata") or {}).get("labels") or {}
+        left = labels.get(constants.node_label(self.config.network)) == constants.NODE_REVERT
+        if left != self.left_network:
+            self.left_network = left
+            log.info(
+                "this node %s network %s's nodeSelector",
+                "left" if left else "is in", self.config.network,
+            )  # fmt: skip
+            self.wake.set()
+
+    def watch_node(self) -> None:
+        """Thread: follow this node's labels (metadata only, see `_check_node`)."""
+        assert self.kube is not None
+        base = "/api/v1/nodes"
+        name = self.options.node_name
+        while not self.stop_event.is_set():
+            try:
+                obj = self.kube.get(f"{base}/{name}")
+                self._check_node(obj)
+                rv = ((obj or {}).get("metadata") or {}).get("resourceVersion", "")
+                params = {"fieldSelector": f"metadata.name={name}", "timeoutSeconds": "300"}
+                if rv:
+                    params["resourceVersion"] = rv
+                started = time.monotonic()
+                for event in self.kube.watch(base, params, accept=METADATA_WATCH):
+                    if event.get("type") in ("ADDED", "MODIFIED"):
+                        self._check_node(event.get("object"))
+                    if self.stop_event.is_set():
+                        return
+                if time.monotonic() - started < 1:  # a watch that ends at once: no busy loop
+                    self.stop_event.wait(1)
+            except KubeError as e:
+                log.warning("watch of node %s: %s; retrying in 5 s", name, e)
+                self.stop_event.wait(5)
+
     def watch_network(self) -> None:
         """Thread: follow the network object; flag its deletion."""
         assert self.kube is not None
@@ -572,14 +636,31 @@ class Agent:
                 log.warning("watch of network %s: %s; retrying in 5 s", name, e)
                 self.stop_event.wait(5)
 
+    # --- health --------------------------------------------------------------------------
+    def beat(self) -> None:
+        self.heartbeat = time.monotonic()
+
+    def ready(self) -> tuple[bool, str]:
+        return readiness(self.state.status, self.config.generation)
+
+    def live(self) -> tuple[bool, str]:
+        idle = time.monotonic() - self.heartbeat
+        if idle > LIVENESS_SECONDS:
+            return False, f"the agent's loop has not turned for {idle:.0f} s"
+        return True, f"the loop turned {idle:.0f} s ago"
+
     # --- run -----------------------------------------------------------------------------
     def serve_metrics(self) -> None:
-        """Serve /metrics; a port someone else holds (e.g. another network's agent on this
-        node) costs the metrics, not the node's RDMA: the agent goes on without them."""
+        """Serve /metrics, /readyz and /livez; a port someone else holds (e.g. another
+        network's agent on this node) costs the metrics, not the node's RDMA: the agent
+        goes on without them."""
         if self.options.metrics_port is not None and self.server is None:
             try:
                 self.server = MetricsServer(
-                    self.metrics, self.options.metrics_address, self.options.metrics_port
+                    self.metrics,
+                    self.options.metrics_address,
+                    self.options.metrics_port,
+                    checks={"/readyz": self.ready, "/livez": self.live},
                 )
             except OSError as e:
                 log.error(
@@ -597,10 +678,12 @@ class Agent:
         self.apply_pass()
         if self.writer is not None and self.options.watch:
             threading.Thread(target=self.watch_network, name="network-watch", daemon=True).start()
+            threading.Thread(target=self.watch_node, name="node-watch", daemon=True).start()
         if self.prober is not None:
             self.prober.start()
         next_drift = time.monotonic() + self.drift_seconds
         while not self.stop_event.is_set():
+            self.beat()
             due = [next_drift, time.monotonic() + POLL_SECONDS]
             if self.state.next_retry is not None:
                 due.append(self.state.next_retry)
@@ -616,8 +699,19 @@ class Agent:
                     log.info("network deleted without cleanupOnDelete: leaving the node as it is")
                     self.deleting.clear()
                 continue
+            if self.left_network and not self.state.reverted and not self.deleting.is_set():
+                if self.cleanup_on_delete:
+                    self.revert("left this node's nodeSelector")
+                continue  # without cleanupOnDelete the operator lets the agent go as it is
             if self.state.reverted:
-                continue  # idle until the DaemonSet goes away
+                if self.left_network or self.deleting.is_set():
+                    continue  # idle until the DaemonSet goes away
+                log.info("this node is in network %s again: applying", self.config.network)
+                self.state.reverted = False  # selected again before the agent went
+                self.start_plugin()
+                self.apply_pass()
+                next_drift = time.monotonic() + self.drift_seconds
+                continue
             if self._mtime() != self._config_mtime:
                 self._reload()
                 next_drift = time.monotonic() + self.drift_seconds

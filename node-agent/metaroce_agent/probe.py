@@ -52,7 +52,15 @@ from pathlib import Path
 from typing import Any
 
 from metaroce_agent.kube import METADATA_LIST, METADATA_WATCH, KubeClient, KubeError, cluster_path
-from metaroce_agent.probe_auth import ProbeKeyError, load_key, new_nonce, sign, verify
+from metaroce_agent.probe_auth import (
+    ProbeKeyError,
+    choose_key,
+    key_id,
+    load_keys,
+    new_nonce,
+    sign,
+    verify,
+)
 from metaroce_agent.report import now
 from metaroce_api import ProbePeer, ProbeSummary, constants
 from metaroce_api.base import parse_duration
@@ -296,6 +304,16 @@ def _recv(f: Any) -> dict[str, Any]:
     return data
 
 
+Keys = bytes | tuple[bytes, ...] | None
+"""A probe key, the keys an agent holds (current first), or none (unauthenticated)."""
+
+
+def key_set(keys: Keys) -> tuple[bytes, ...]:
+    if keys is None:
+        return ()
+    return (keys,) if isinstance(keys, bytes) else keys
+
+
 # --- server ----------------------------------------------------------------------------------
 
 
@@ -310,7 +328,7 @@ class ProbeServer:
         local: Callable[[int], Local | None],
         *,
         endpoint: Callable[[Local], Any] | None = None,
-        key: Callable[[], bytes | None] = lambda: None,
+        key: Callable[[], Keys] = lambda: None,
         max_sessions: int = MAX_SESSIONS,
         session_seconds: float = SESSION_SECONDS,
     ) -> None:
@@ -363,14 +381,21 @@ class ProbeServer:
         """One session; True when the peer said bye, False at the deadline."""
         f = conn.makefile("r")
         server_nonce = new_nonce()
-        _send(conn, {"v": 2, "nonce": server_nonce})
+        keys = key_set(self.key())
+        challenge: dict[str, Any] = {"v": 2, "nonce": server_nonce}
+        if keys:
+            challenge["kids"] = [key_id(k) for k in keys]
+        _send(conn, challenge)
         hello = _recv(f)
-        key = self.key()
         client_nonce = str(hello.get("nonce") or "")
-        if key is not None and not (
-            len(client_nonce) >= 32
-            and verify(key, hello.get("mac"), "client", server_nonce, client_nonce, hello)
-        ):
+        matching = [
+            k
+            for k in keys
+            if len(client_nonce) >= 32
+            and verify(k, hello.get("mac"), "client", server_nonce, client_nonce, hello)
+        ]
+        key = matching[0] if matching else None
+        if keys and key is None:
             self.auth_failures += 1
             log.warning("probe session: a client failed authentication")
             _send(conn, {"error": "authentication failed: the client's probe key differs "
@@ -454,7 +479,7 @@ def probe_peer(
     local: Local,
     timeout: float = 20.0,
     *,
-    key: bytes | None = None,
+    key: Keys = None,
     endpoint: Callable[[Local], Any] | None = None,
     rail: int = 0,
 ) -> PeerResult:
@@ -482,6 +507,8 @@ def probe_peer(
                 return failed(str(challenge["error"]))
             server_nonce = str(challenge.get("nonce") or "")
             client_nonce = new_nonce()
+            held = key_set(key)
+            key = choose_key(held, challenge.get("kids")) if held else None
 
             def authentic(role: str, msg: dict[str, Any]) -> bool:
                 return key is None or verify(
@@ -948,14 +975,15 @@ class Prober:
             key_file=opts.probe_key_file,
         )
 
-    def key(self) -> bytes | None:
-        """The network's probe key, read per use (a rotated Secret applies at once)."""
-        return load_key(self.key_file) if self.key_file is not None else None
+    def key(self) -> tuple[bytes, ...]:
+        """The network's probe keys (current, previous), read per use (a rotated Secret
+        applies at once)."""
+        return load_keys(self.key_file) if self.key_file is not None else ()
 
     def start(self) -> None:
         """Serve on the RDMA netdev's address (once it has one) and run the rounds."""
         try:
-            if self.key() is None:
+            if not self.key():
                 log.warning(
                     "probe: no key at %s: the side channel is NOT authenticated; mount the "
                     "network's probe Secret there", self.key_file,

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import time
 from collections import defaultdict
 from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from metaroce_api import InvalidObject, MetaRoceNetwork, validate_network
 from metaroce_api import constants as c
 from metaroce_operator import cleanup, crash, events, metrics, probes, taints
 from metaroce_operator.apply import ApplyFailed, apply_children
+from metaroce_operator.claim import CLAIM_ANNOTATION, claim_patch, claimant, split_claim
 from metaroce_operator.conflicts import (
     Conflict,
     created_order,
@@ -43,6 +45,7 @@ from metaroce_operator.freshness import NetworkBodies
 from metaroce_operator.images import image_refusal
 from metaroce_operator.informer import Informer
 from metaroce_operator.kube import KINDS, ApiError, Kube, NotLeader
+from metaroce_operator.nodelabels import orphaned_labels, plan_labels
 from metaroce_operator.observed import (
     DaemonSetView,
     NodeReport,
@@ -50,7 +53,8 @@ from metaroce_operator.observed import (
     ReportedNic,
     parse_time,
 )
-from metaroce_operator.render import config_generation, render_network
+from metaroce_operator.probekey import ensure_probe_key, probe_key_secret
+from metaroce_operator.render import RenderContext, config_generation, render_network
 from metaroce_operator.render.common import agent_config, anchor_kind, child_name, config_hash
 from metaroce_operator.render.podpolicy import policy_name
 from metaroce_operator.settings import OperatorSettings
@@ -58,6 +62,7 @@ from metaroce_operator.status import (
     CONFIGURED_PHASES,
     BatchLoop,
     CleanupView,
+    EventSpec,
     Observed,
     compute_status,
     invalid_status,
@@ -71,6 +76,7 @@ from metaroce_operator.status import (
 log = logging.getLogger("metaroce.operator.controller")
 
 NETWORK = KINDS[(c.API_VERSION, c.NETWORK_KIND)]
+LEASE = KINDS[("coordination.k8s.io/v1", "Lease")]
 NODESTATE = KINDS[(c.API_VERSION, c.NODESTATE_KIND)]
 CONFIGMAP = KINDS[("v1", "ConfigMap")]
 CLUSTERROLE = KINDS[("rbac.authorization.k8s.io/v1", "ClusterRole")]
@@ -127,6 +133,11 @@ class Store:
         self.policies_checked: set[str] = set()
         """Webhook admission mode: networks whose leftover pod policies (from a run in
         policy mode) this process has deleted, once per network."""
+        self.foreign: dict[str, str] = {}
+        """Networks claimed by another operator (see `claim`): network -> its Lease."""
+        self.revert_asked: dict[tuple[str, str], float] = {}
+        """(network, node) -> when the node's label asked its agent to revert
+        (`time.monotonic()`; see nodelabels.py)."""
 
     def set_network(self, body: dict[str, Any]) -> bool:
         """Keep the newest body (see `freshness`: resourceVersions are never compared)."""
@@ -154,6 +165,7 @@ class Store:
             self.taint_notes,
             self.unhealthy,
             self.rendered,
+            self.foreign,
         ):
             table.pop(name, None)
         self.policies_checked.discard(name)
@@ -376,6 +388,92 @@ class Controller:
                 log.warning("reconcile of %s failed (%s), retrying", name, err)
                 await asyncio.sleep(2.0 * (attempt + 1))
 
+    # -- the claim (one operator per network, see `claim`) ---------------------------------
+
+    @property
+    def lease_ref(self) -> str:
+        return f"{self.settings.lease_namespace}/{self.settings.lease_name}"
+
+    def _mine(self, body: Mapping[str, Any]) -> bool:
+        return claimant(body) == self.lease_ref
+
+    async def _claim(self, name: str, body: dict[str, Any]) -> bool:
+        """Whether this operator may act on the network: it holds the claim, or takes it
+        (unclaimed, or claimed by an operator whose Lease is gone)."""
+        for _ in range(3):
+            claim = claimant(body)
+            if claim == self.lease_ref:
+                self._not_foreign(name)
+                return True
+            if claim is not None and not await self._claimant_gone(claim):
+                await self._foreign(name, body, claim)
+                return False
+            try:
+                result = await self.kube.patch(NETWORK, name, claim_patch(body, self.lease_ref))
+            except ApiError as err:
+                if err.status != 409:
+                    raise
+                fresh = await self.kube.get_or_none(NETWORK, name)  # another leader raced us
+                if fresh is None:
+                    return False
+                body = fresh
+                continue
+            if claim is None:
+                log.info("%s: claimed by this operator (lease %s)", name, self.lease_ref)
+            else:
+                log.warning(
+                    "%s: took it over from the operator of lease %s, which no longer exists",
+                    name, claim,
+                )  # fmt: skip
+            self.store.set_network(result)
+            self._not_foreign(name)
+            return True
+        return False
+
+    async def _claimant_gone(self, claim: str) -> bool:
+        """Whether the claimant's Lease no longer exists (its release is uninstalled). An
+        expired Lease is an operator that is down, not gone: its agents still run."""
+        where = split_claim(claim)
+        if where is None:
+            return False  # not a Lease reference: a person must look (see `_foreign`)
+        try:
+            await self.kube.get(LEASE, where[1], where[0])
+        except ApiError as err:
+            if err.status == 404:
+                return True
+            if err.status == 403:  # a lease name the chart's RBAC does not cover
+                log.debug("cannot read the claimant's lease %s: %s", claim, err)
+                return False
+            raise
+        return False
+
+    async def _foreign(self, name: str, body: dict[str, Any], claim: str) -> None:
+        if self.store.foreign.get(name) == claim:
+            return
+        self.store.foreign[name] = claim
+        metrics.FOREIGN_NETWORKS.set(len(self.store.foreign))
+        message = (
+            f"network {name} is managed by the operator of lease {claim}; this operator "
+            f"(lease {self.lease_ref}) leaves it alone. Run one operator per cluster, or, "
+            f"if that operator is gone for good, remove the claim: kubectl annotate "
+            f"{c.NETWORK_PLURAL} {name} {CLAIM_ANNOTATION}-"
+        )
+        log.warning("%s", message)
+        spec = EventSpec("Warning", "ClaimedByAnotherOperator", message)
+        await events.post(self.kube, body, spec, self.settings.identity)
+
+    def _not_foreign(self, name: str) -> None:
+        if self.store.foreign.pop(name, None) is not None:
+            metrics.FOREIGN_NETWORKS.set(len(self.store.foreign))
+
+    async def _take_over_gone_claims(self) -> None:
+        """Node pass: reconcile a foreign network whose claimant's Lease is gone."""
+        for name, claim in list(self.store.foreign.items()):
+            if await self._claimant_gone(claim):
+                log.info("%s: its operator (lease %s) is gone; taking it over", name, claim)
+                self.store.foreign.pop(name, None)
+                self._spawn(self._reconcile_retrying(name), f"reconcile {name}")
+
     # -- reconcile ------------------------------------------------------------------------
 
     async def reconcile(self, body: dict[str, Any]) -> None:
@@ -405,6 +503,8 @@ class Controller:
 
     async def _reconcile(self, name: str, body: dict[str, Any]) -> None:
         self.store.set_network(body)
+        if not await self._claim(name, body):
+            return  # another operator's network: no children, status, taints or cleanup
         try:
             network = validate_network(body)
         except InvalidObject as err:
@@ -446,9 +546,17 @@ class Controller:
                 namespace_uid=ns_uid,
             )
             role = await self._apply(name, anchored()[:1])
-            children = anchored(anchor_uid=str(role[0]["metadata"]["uid"]))
+            anchor_uid = str(role[0]["metadata"]["uid"])
+            children = anchored(anchor_uid=anchor_uid)
+            await self._ensure_probe_key(
+                name, RenderContext.build(network, self.settings.render, config_gen,
+                                          anchor_uid, ns_uid)
+            )  # fmt: skip
             await self._apply(name, children[1:])
         else:
+            await self._ensure_probe_key(
+                name, RenderContext.build(network, self.settings.render, config_gen)
+            )
             await self._apply(name, children)
         await self._drop_leftover_policies(name)
         if has and not wants:
@@ -488,6 +596,15 @@ class Controller:
         except ApplyFailed as err:
             self._apply_failed(name, err)
             raise
+
+    async def _ensure_probe_key(self, name: str, ctx: RenderContext) -> None:
+        """The network's probe-key Secret, before the DaemonSet that mounts it."""
+        try:
+            await ensure_probe_key(self.kube, ctx)
+        except ApiError as err:
+            failure = ApplyFailed(probe_key_secret(ctx), err)  # no data: nothing secret
+            self._apply_failed(name, failure)
+            raise failure from err
 
     async def _holding_conflicts(self, name: str, network: MetaRoceNetwork) -> list[Conflict]:
         """Conflicts with older networks, from a fresh list (a network created a moment
@@ -561,7 +678,7 @@ class Controller:
     async def flush(self, name: str) -> None:
         """Compute the status of one network and write it if it changed."""
         body = self.store.networks.get(name)
-        if body is None:
+        if body is None or not self._mine(body):
             return
         if not self.synced:  # the batch loop starts after the sync; belt and braces
             self.batch.mark(name)
@@ -738,6 +855,7 @@ class Controller:
                 continue
             with contextlib.suppress(InvalidObject):
                 valid[name] = validate_network(body)
+        await self._take_over_gone_claims()
         labels = {name: view.labels for name, view in self.store.nodes.items()}
         for name, network in valid.items():
             eligible = frozenset(
@@ -751,8 +869,59 @@ class Controller:
                 self.batch.mark(name)
         self._check_conflicts(valid, labels)
         await self._remove_orphaned_taints(known)
+        await self._remove_orphaned_labels(known)
         for name, network in valid.items():
-            await self._taints(name, network, known)
+            if self._mine(self.store.networks.get(name) or {}):
+                await self._node_labels(name, network)
+                await self._taints(name, network, known)
+
+    async def _node_labels(self, name: str, network: MetaRoceNetwork) -> None:
+        """The network's node label on the nodes it selects, and off those that left
+        once their agent reverted them (with cleanupOnDelete; see nodelabels.py)."""
+        label = c.node_label(name)
+        labels = {node: view.labels for node, view in (self.store.nodes or {}).items()}
+        phases = {node: r.phase for node, r in self.store.reports.get(name, {}).items()}
+        clock = time.monotonic()
+        timed_out = {
+            node
+            for (net, node), asked in self.store.revert_asked.items()
+            if net == name and clock - asked > self.settings.cleanup_timeout
+        }
+        plan = plan_labels(
+            label,
+            self.store.eligible.get(name, frozenset()),
+            labels,
+            phases,
+            network.spec.cleanup_on_delete,
+            timed_out,
+        )
+        for node, value in plan.items():
+            await self._set_node_label(node, label, value)
+            if value == c.NODE_REVERT:
+                self.store.revert_asked.setdefault((name, node), clock)
+                log.info("%s: node %s left the network: asked its agent to revert it", name, node)
+            else:
+                self.store.revert_asked.pop((name, node), None)
+                if value is None:
+                    why = "timed out reverting" if node in timed_out else "left the network"
+                    log.info("%s: node %s %s: its agent goes", name, node, why)
+
+    async def _set_node_label(self, node: str, label: str, value: str | None) -> None:
+        patch = {"metadata": {"labels": {label: value}}}
+        try:
+            await self.kube.patch(NODE, node, patch)
+        except ApiError as err:
+            if err.status != 404:  # a node deleted meanwhile has no label to keep
+                raise
+
+    async def _remove_orphaned_labels(self, live_networks: set[str]) -> None:
+        """Node labels of networks that are gone (after their agents, see nodelabels.py)."""
+        labels = {node: view.labels for node, view in (self.store.nodes or {}).items()}
+        live = {c.node_label(n) for n in live_networks}
+        for node, gone in orphaned_labels(labels, live).items():
+            for label in gone:
+                await self._set_node_label(node, label, None)
+                log.info("removed the label %s of a deleted network from node %s", label, node)
 
     async def _remove_orphaned_taints(self, live_networks: set[str]) -> None:
         """Taints of networks that are gone (the network's own planning stops with it)."""

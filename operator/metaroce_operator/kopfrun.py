@@ -21,12 +21,15 @@ from typing import Any
 import kopf
 
 from metaroce_api.constants import GROUP
+from metaroce_operator.claim import kopf_prefix
 from metaroce_operator.controller import Controller, PermanentFailure
 from metaroce_operator.kube import Credentials, NotLeader
+from metaroce_operator.settings import DEFAULT_NAMESPACE
 
 log = logging.getLogger("metaroce.operator.kopf")
 KOPF_ANNOTATION_PREFIX = f"operator.{GROUP}"
-"""Prefix of the annotations kopf keeps on networks (last-handled configuration, progress)."""
+"""Prefix of the annotations kopf keeps on networks (last-handled configuration, progress)
+for the operator of the default namespace (others: `claim.kopf_prefix`)."""
 
 
 def plain(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -78,20 +81,22 @@ class Bridge:
             raise kopf.PermanentError(str(err)) from None
 
 
-def kopf_settings() -> kopf.OperatorSettings:
+def kopf_settings(namespace: str = DEFAULT_NAMESPACE) -> kopf.OperatorSettings:
+    """kopf's settings for an operator whose agents (and Lease) are in `namespace`."""
     settings = kopf.OperatorSettings()
+    prefix = kopf_prefix(namespace, DEFAULT_NAMESPACE)
     # No Event per successful handler: only warnings and errors are posted.
     settings.posting.level = logging.WARNING
     # Our Lease elects the leader; kopf's peering would pause replicas of equal priority.
     settings.peering.standalone = True
     # Watch the namespaces and CRDs we are told, without listing/watching all of them.
     settings.scanning.disabled = True
-    # Our own annotation prefix instead of kopf.zalando.org; no status.kopf (pruned anyway).
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
-        prefix=KOPF_ANNOTATION_PREFIX, v1=False
-    )
+    # Our own annotation prefix instead of kopf.zalando.org, per operator namespace (a
+    # second release's bookkeeping must not make this one's kopf skip a change, see
+    # claim.py); no status.kopf (pruned anyway).
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=prefix, v1=False)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=KOPF_ANNOTATION_PREFIX, key="last-handled-configuration", v1=False
+        prefix=prefix, key="last-handled-configuration", v1=False
     )
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
@@ -121,7 +126,7 @@ class KopfThread:
             asyncio.run(
                 kopf.operator(
                     registry=handlers.registry,
-                    settings=kopf_settings(),
+                    settings=kopf_settings(self.namespace),
                     standalone=True,
                     namespaces=[self.namespace],
                     memo=kopf.Memo(bridge=self.bridge),

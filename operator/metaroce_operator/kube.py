@@ -134,6 +134,7 @@ def _kinds() -> dict[tuple[str, str], Kind]:
     table = [
         Kind("v1", "ConfigMap", "configmaps", True),
         Kind("v1", "ServiceAccount", "serviceaccounts", True),
+        Kind("v1", "Secret", "secrets", True),
         Kind("v1", "Node", "nodes", False),
         Kind("v1", "Namespace", "namespaces", False),
         Kind("v1", "Event", "events", True),

@@ -32,6 +32,10 @@ STATUS_WRITES = Counter(
     ["network"],
 )
 LEADER = Gauge("metaroce_operator_leader", "1 while this replica holds the lease.")
+FOREIGN_NETWORKS = Gauge(
+    "metaroce_operator_foreign_networks",
+    "Networks claimed by another operator, which this one leaves alone (claim.py).",
+)
 TAINT_CHANGES = Counter(
     "metaroce_operator_taint_changes_total", "Node taints added or removed.", ["network"]
 )

@@ -15,26 +15,35 @@ from metaroce_operator.render.common import (
 
 
 def node_placement(network: MetaRoceNetwork) -> tuple[dict[str, str], dict[str, Any] | None]:
-    """(nodeSelector, affinity) equal to the network's label selector.
+    """(nodeSelector, affinity): the network's label selector OR the network's
+    operator-managed node label (`constants.node_label`, see nodelabels.py).
 
-    matchLabels become the pod's nodeSelector; matchExpressions (In, NotIn, Exists,
-    DoesNotExist are valid node selector operators too) become a required node affinity.
+    The selector places agents as soon as a node matches (nothing waits for the
+    operator); the label keeps an agent on a node that left the selector until it has
+    reverted the node. The two are ORed node affinity terms (matchLabels become In
+    expressions); a network selecting every node needs neither.
     """
     selector = network.spec.node_selector
-    node_selector = {"kubernetes.io/os": "linux", **(selector.match_labels or {})}
-    expressions = [
+    node_selector = {"kubernetes.io/os": "linux"}
+    selected = [
+        {"key": k, "operator": "In", "values": [v]}
+        for k, v in sorted((selector.match_labels or {}).items())
+    ]
+    selected += [
         {k: v for k, v in e.to_api().items() if k in ("key", "operator", "values")}
         for e in selector.match_expressions or []
     ]
-    if not expressions:
+    if not selected:
         return node_selector, None
+    labelled = [{"key": c.node_label(network.name), "operator": "Exists"}]
     affinity = {
         "nodeAffinity": {
             "requiredDuringSchedulingIgnoredDuringExecution": {
-                "nodeSelectorTerms": [{"matchExpressions": expressions}]
+                "nodeSelectorTerms": [{"matchExpressions": selected},
+                                      {"matchExpressions": labelled}]
             }
         }
-    }
+    }  # fmt: skip
     return node_selector, affinity
 
 
@@ -48,6 +57,10 @@ def tolerations(network: MetaRoceNetwork) -> list[dict[str, Any]]:
     return out
 
 
+MIN_READY_SECONDS = 15
+"""How long an agent must be ready (verified) before the rollout moves on (#15)."""
+
+
 def render_daemonset(ctx: RenderContext) -> dict[str, Any]:
     spec = ctx.network.spec
     node_selector, affinity = node_placement(ctx.network)
@@ -57,6 +70,7 @@ def render_daemonset(ctx: RenderContext) -> dict[str, Any]:
         **ctx.values(),
         selector=ctx.selector,
         max_unavailable=spec.agent.update_strategy.max_unavailable,
+        min_ready_seconds=MIN_READY_SECONDS,
         pod_annotations={
             c.CONFIG_HASH_ANNOTATION: ctx.config_hash,
             c.METRICS_PORT_ANNOTATION: str(spec.agent.metrics_port),

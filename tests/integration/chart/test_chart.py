@@ -10,6 +10,7 @@ and `helm uninstall` leaving only the CRDs.
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import secrets
@@ -115,7 +116,7 @@ AGGREGATE = "rbac.authorization.k8s.io/aggregate-to-"
 
 
 def test_default_roles_get_read_access_only_issue_16_11(cluster: LocalCluster) -> None:
-    """`create` on networks is node root (a privileged hostPID agent on every selected
+    """`create` on networks is node root (a privileged hostNetwork agent on every selected
     node, NICs of the creator's choosing): the chart aggregates only reading into the
     default view/edit/admin roles, never writing into edit or admin."""
     docs = chart.render(cluster, "metaroce", {})
@@ -438,6 +439,7 @@ def test_operator_with_chart_credentials_reconciles_the_sample(
             cluster.kubectl("get", "configmap", child_name(name), "-n", ns, "-o", "json").stdout
         )
         assert c.AGENT_CONFIG_KEY in cm["data"]
+        _assert_probe_key(cluster, ns, name, op.log())
 
         def status() -> dict[str, Any] | None:
             net = json.loads(cluster.kubectl("get", c.NETWORK_PLURAL, name, "-o", "json").stdout)
@@ -464,6 +466,35 @@ def test_operator_with_chart_credentials_reconciles_the_sample(
         assert " 403" not in log and "Forbidden" not in log and "forbidden" not in log, log[-4000:]
     finally:
         cluster.kubectl("label", "node", "kwok-a1", "kwok-a2", "metaroce.io/rdma-", check=False)
+
+
+def _assert_probe_key(cluster: LocalCluster, ns: str, network: str, log: str) -> None:
+    """Issue 15 finding 7, the operator side: the network's probe-key Secret exists with
+    a random key, is owned like the DaemonSet (this cleanupOnDelete network's children by
+    their anchor, see render/common.py), is mounted where the agent reads its key, and
+    the key is in no log."""
+    from metaroce_agent.probe_auth import DEFAULT_KEY_FILE
+
+    name = child_name(network)
+    secret = json.loads(cluster.kubectl("get", "secret", name, "-n", ns, "-o", "json").stdout)
+    ds = json.loads(cluster.kubectl("get", "daemonset", name, "-n", ns, "-o", "json").stdout)
+    assert secret["type"] == "metaroce.io/probe-key"
+    key = base64.b64decode(secret["data"]["key"]).decode()
+    assert len(key) >= 32 and base64.b64decode(secret["data"]["previous"]).decode() == key
+    owners = secret["metadata"].get("ownerReferences") or []
+    assert owners and owners == ds["metadata"]["ownerReferences"], owners
+    pod = ds["spec"]["template"]["spec"]
+    (agent,) = pod["containers"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounted = {
+        f"{m['mountPath']}/{item['path']}": item["key"]
+        for m in agent["volumeMounts"]
+        for source in (volumes[m["name"]].get("projected") or {}).get("sources", [])
+        if (source.get("secret") or {}).get("name") == name
+        for item in source["secret"]["items"]
+    }
+    assert mounted.get(str(DEFAULT_KEY_FILE)) == "key", mounted
+    assert key not in log and secret["data"]["key"] not in log
 
 
 def test_upgrade_path_crds_first_then_helm_upgrade(

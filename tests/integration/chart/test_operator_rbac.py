@@ -10,6 +10,7 @@ the agents' ClusterRole to an agent ServiceAccount, set and clear its taints) pa
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 from collections.abc import Iterator
@@ -58,6 +59,26 @@ class Installed:
                 "subjects": subjects,
             }
         )
+
+    def patch_as_operator(self, kind: str, name: str, body: Any) -> tuple[bool, str]:
+        """A PATCH as the operator sends it (kubectl patch GETs first, which the operator
+        may not do for Secrets): the operator's own client, as its user."""
+        from metaroce_operator.kube import KINDS, ApiError, Kube, load_credentials
+
+        creds = load_credentials(str(self.cluster.kubeconfig_for(self.user)))
+
+        async def patch() -> None:
+            kube = Kube(creds)
+            try:
+                await kube.patch(KINDS[("v1", kind)], name, body, namespace=self.namespace)
+            finally:
+                await kube.close()
+
+        try:
+            asyncio.run(patch())
+        except ApiError as err:
+            return False, str(err)
+        return True, ""
 
     def agent(self, name: str = "metaroce-agent-net") -> dict[str, Any]:
         return {"kind": "ServiceAccount", "name": name, "namespace": self.namespace}
@@ -177,3 +198,68 @@ def test_the_operator_changes_only_its_own_taints_on_nodes_issue_16_13(
         )
         assert not ok, f"the operator could patch a Node with {patch}"
         assert "metaroce.io/" in err, err
+
+
+def test_the_operator_writes_only_probe_key_secrets_and_its_certificate_issue_15_7(
+    installed: Installed,
+) -> None:
+    """Issue 15 finding 7 (operator side): the operator creates each network's probe-key
+    Secret and later patches its metadata; its namespace-wide Secret create and patch
+    reach nothing else (image pull Secrets, Helm's release Secrets), and it reads none."""
+    inst = installed
+    _policy_ready(inst)
+    ns = inst.namespace
+    name = f"metaroce-agent-rb-{secrets.token_hex(3)}"
+
+    def secret(name: str, type_: str) -> str:
+        return json.dumps({
+            "apiVersion": "v1", "kind": "Secret", "type": type_,
+            "metadata": {"name": name, "namespace": ns},
+            "data": {"key": "a2V5", "previous": "a2V5"},
+        })  # fmt: skip
+
+    ok, err = inst.as_operator("create", "-f", "-", input=secret(name, "metaroce.io/probe-key"))
+    assert ok, err
+    labels = {"metadata": {"labels": {"metaroce.io/network": "rb"}}}
+    ok, err = inst.patch_as_operator("Secret", name, labels)
+    assert ok, err
+    ok, err = inst.as_operator("get", "secret", name, "-n", ns)
+    assert not ok and "forbidden" in err.lower(), "the operator may read Secrets"
+    for bad in (
+        secret(f"metaroce-agent-rb-{secrets.token_hex(3)}", "Opaque"),
+        secret(f"regcred-{secrets.token_hex(3)}", "metaroce.io/probe-key"),
+    ):
+        ok, err = inst.as_operator("create", "-f", "-", input=bad)
+        assert not ok and "probe-key" in err, f"the operator created {bad}: {err}"
+    helm = f"sh.helm.release.v1.rb-{secrets.token_hex(3)}.v1"
+    inst.cluster.kubectl("create", "secret", "generic", helm, "-n", ns, "--from-literal=a=b")
+    ok, err = inst.patch_as_operator("Secret", helm, labels)
+    assert not ok and "probe-key" in err, f"the operator patched Helm's release Secret: {err}"
+    other = f"metaroce-agent-rb-{secrets.token_hex(3)}"  # the right name, the wrong type
+    inst.cluster.kubectl("create", "secret", "generic", other, "-n", ns, "--from-literal=a=b")
+    ok, err = inst.patch_as_operator("Secret", other, labels)
+    assert not ok and "probe-key" in err, err
+    inst.cluster.kubectl("delete", "secret", name, helm, other, "-n", ns, "--wait=false",
+                         check=False)  # fmt: skip
+
+
+def test_the_operator_sets_only_its_networks_node_labels_issue_15_4(installed: Installed) -> None:
+    """Issue 15 finding 4: the operator manages `metaroce.io/agent-<network>` on Nodes
+    (the label that keeps an agent until it reverted its node); no other label, not even
+    a user's own `metaroce.io/*` selection label."""
+    inst = installed
+    _policy_ready(inst)
+    for value in ("selected", "revert", None):
+        patch = {"metadata": {"labels": {"metaroce.io/agent-net": value}}}
+        ok, err = inst.as_operator(
+            "patch", "node", inst.node, "--type=merge", "-p", json.dumps(patch)
+        )
+        assert ok, err
+    for labels in ({"metaroce.io/rdma": "true"}, {"kubernetes.io/hostname": "x"},
+                   {"metaroce.io/agent-net": "selected", "zone": "a"}):  # fmt: skip
+        patch = {"metadata": {"labels": labels}}
+        ok, err = inst.as_operator(
+            "patch", "node", inst.node, "--type=merge", "-p", json.dumps(patch)
+        )
+        assert not ok, f"the operator could set the labels {labels}"
+        assert "metaroce.io/agent-" in err, err

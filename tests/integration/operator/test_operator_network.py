@@ -44,7 +44,9 @@ def test_network_lifecycle(env: OperatorEnv) -> None:
         "failed": 0,
         "summary": "2/2",
     }
-    assert condition(net, c.CONDITION_PROGRESSING)["status"] == "False"
+    # The rollout is over once the agents are available: ready (verified) for the
+    # DaemonSet's minReadySeconds, which may end after Ready (every node configured).
+    env.wait_condition("life", c.CONDITION_PROGRESSING, "False", timeout=60)
     assert condition(net, c.CONDITION_DEGRADED)["status"] == "False"
     assert status["transport"]["active"] == "rocev2"
     assert gen.reported(1) == {"kwok-a1", "kwok-a2"}

@@ -227,6 +227,8 @@ def test_idle_operator_writes_nothing_but_its_lease(env: OperatorEnv) -> None:
     gen = env.loadgen("quiet")
     env.apply(network_manifest("quiet", nodeSelector=POOL_A, health={"action": "taint"}))
     env.wait_condition("quiet", c.CONDITION_READY, "True")
+    # and the rollout over: the agents available (ready for minReadySeconds)
+    env.wait_condition("quiet", c.CONDITION_PROGRESSING, "False", timeout=60)
     wait_for("the load generator to settle", lambda: time.monotonic() - gen.last_write > 3)
     time.sleep(3)
     lease_before = (get_json(env.cluster, "lease", "metaroce-operator", "-n", env.namespace) or {})[

@@ -183,8 +183,8 @@ class FakeKube:
     def get(self, path: str) -> dict | None:  # type: ignore[type-arg]
         return self.network
 
-    def watch(self, path: str, params: dict, timeout: float = 0):  # type: ignore[no-untyped-def,type-arg]
-        return iter(())
+    def watch(self, path: str, params: dict, timeout: float = 0, **_: object):  # type: ignore[no-untyped-def,type-arg]
+        return iter(())  # the network's and the node's (accept=METADATA_WATCH)
 
     def _record(self, verb: str, path: str, body: dict) -> dict:  # type: ignore[type-arg]
         self.applied.append((path, body))

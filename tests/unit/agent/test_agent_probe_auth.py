@@ -18,7 +18,7 @@ import pytest
 from fakes import SilentEndpoint
 
 from metaroce_agent.probe import Local, ProbeServer, probe_peer
-from metaroce_agent.probe_auth import ProbeKeyError, load_key, sign, verify
+from metaroce_agent.probe_auth import ProbeKeyError, key_id, load_key, load_keys, sign, verify
 
 KEY = b"k" * 32
 OTHER = b"o" * 32
@@ -109,3 +109,53 @@ def test_a_key_file_is_checked_with_an_error_naming_it_and_the_fix(tmp_path: Pat
     good = tmp_path / "key"
     good.write_bytes(KEY + b"\n")
     assert load_key(good) == KEY
+
+
+def _serve(keys: tuple[bytes, ...]) -> ProbeServer:
+    srv = ProbeServer(
+        "127.0.0.1", 0, lambda rail: LOCAL, endpoint=FakeEndpoint, key=lambda: keys,
+        session_seconds=2,
+    )  # fmt: skip
+    threading.Thread(target=srv.serve, daemon=True).start()
+    return srv
+
+
+@pytest.mark.parametrize(
+    ("server_keys", "client_keys"),
+    [((OTHER, KEY), (KEY,)), ((KEY,), (OTHER, KEY)), ((OTHER, KEY), (OTHER, KEY))],
+    ids=["rotated-server", "rotated-client", "both-rotated"],
+)
+def test_a_rotation_reaching_the_nodes_one_by_one_keeps_them_authenticated(
+    server_keys: tuple[bytes, ...], client_keys: tuple[bytes, ...]
+) -> None:
+    """The operator's probe Secret is rotated by putting a new `key` and the old one in
+    `previous`; the kubelet updates the mounted Secret node by node, so for a while an
+    updated agent (new, old) meets one that holds only the old key: they agree on it."""
+    srv = _serve(server_keys)
+    try:
+        got = probe_peer("n2", "127.0.0.1", srv.port, LOCAL, key=client_keys, endpoint=FakeEndpoint)
+        assert "authentication" not in got.message and "RC echo" in got.message, got
+        assert srv.auth_failures == 0
+    finally:
+        srv.stop()
+
+
+def test_a_dropped_previous_key_is_refused() -> None:
+    srv = _serve((OTHER,))
+    try:
+        got = probe_peer("n2", "127.0.0.1", srv.port, LOCAL, key=(KEY,), endpoint=FakeEndpoint)
+        assert not got.reachable and "authentication" in got.message, got
+    finally:
+        srv.stop()
+
+
+def test_the_keys_are_the_key_file_and_the_previous_one_beside_it(tmp_path: Path) -> None:
+    key = tmp_path / "key"
+    assert load_keys(key) == ()
+    key.write_bytes(KEY)
+    assert load_keys(key) == (KEY,)
+    (tmp_path / "previous").write_bytes(KEY + b"\n")  # the same key: one
+    assert load_keys(key) == (KEY,)
+    (tmp_path / "previous").write_bytes(OTHER)
+    assert load_keys(key) == (KEY, OTHER)
+    assert key_id(KEY) != key_id(OTHER) and KEY.hex() not in key_id(KEY)

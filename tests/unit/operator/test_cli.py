@@ -44,7 +44,9 @@ def test_render_prints_the_children(capsys: pytest.CaptureFixture[str]) -> None:
     ]
     pod = docs[-1]["spec"]["template"]["spec"]
     assert pod["containers"][0]["image"] == "example.com/a:v9"
-    assert pod["nodeSelector"]["nvidia.com/gpu.present"] == "true"
+    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    selected = terms["nodeSelectorTerms"][0]["matchExpressions"]
+    assert {"key": "nvidia.com/gpu.present", "operator": "In", "values": ["true"]} in selected
 
 
 def test_render_json_and_stdin(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -91,8 +91,8 @@ def test_offline_render_has_no_owner_reference(settings: RenderSettings) -> None
 def test_daemonset_runs_privileged_host_network_agent(settings: RenderSettings) -> None:
     objs = render_network(network(), settings)
     spec = pod_spec(objs)
-    # hostPID: revert must see the node's processes that hold an rxe link.
-    assert spec["hostNetwork"] is True and spec["hostPID"] is True
+    # No hostPID: revert counts an rxe link's users with `rdma res show` (finding 12).
+    assert spec["hostNetwork"] is True and "hostPID" not in spec
     assert spec["dnsPolicy"] == "ClusterFirstWithHostNet"
     assert spec["priorityClassName"] == "system-node-critical"
     (container,) = spec["containers"]
@@ -120,7 +120,7 @@ def test_daemonset_runs_privileged_host_network_agent(settings: RenderSettings) 
         "/var/lib/kubelet/pod-resources",
     } <= mounts
     config_volume = next(v for v in spec["volumes"] if v["name"] == "config")
-    assert config_volume["configMap"]["items"] == [
+    assert config_volume["projected"]["sources"][0]["configMap"]["items"] == [
         {"key": c.AGENT_CONFIG_KEY, "path": "agent.yaml"}
     ]
     assert container["resources"] == {
@@ -152,10 +152,17 @@ def test_node_selector_tolerations_and_update_strategy(settings: RenderSettings)
     objs = render_network(net, settings)
     ds = by_kind(objs)["DaemonSet"]
     spec = pod_spec(objs)
-    assert spec["nodeSelector"] == {"rdma": "yes", "kubernetes.io/os": "linux"}
+    assert spec["nodeSelector"] == {"kubernetes.io/os": "linux"}
     terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    # the selector, or the operator's label that keeps an agent until it reverted
     assert terms["nodeSelectorTerms"] == [
-        {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a", "b"]}]}
+        {
+            "matchExpressions": [
+                {"key": "rdma", "operator": "In", "values": ["yes"]},
+                {"key": "zone", "operator": "In", "values": ["a", "b"]},
+            ]
+        },
+        {"matchExpressions": [{"key": c.node_label(net.name), "operator": "Exists"}]},
     ]
     assert {"key": "gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
     assert {
@@ -268,7 +275,7 @@ def test_agent_rbac_is_least_privilege(settings: RenderSettings) -> None:
     networks = flat[(("metaroce.io",), ("metarocenetworks",))]
     assert networks["verbs"] == ["get", "list", "watch"]
     assert networks["resourceNames"] == ["fabric"]
-    assert flat[(("",), ("nodes",))]["verbs"] == ["get"]
+    assert flat[(("",), ("nodes",))]["verbs"] == ["get", "list", "watch"]
     assert "delete" not in {v for r in rules for v in r["verbs"]}
     binding = objs["ClusterRoleBinding"]
     assert binding["subjects"] == [
