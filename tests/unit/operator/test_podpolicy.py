@@ -78,13 +78,24 @@ def test_the_network_s_values_are_literals_of_the_policy() -> None:
     )
     policy, _ = render_pod_policy(net, POLICY)
     variables = {v["name"]: v["expression"] for v in policy["spec"]["variables"]}
-    assert variables["env"] == (
-        "{'NCCL_IB_TC': '184', 'NCCL_SOCKET_IFNAME': 'eth1', 'NCCL_IB_GID_INDEX': '3'}"
-    )
-    assert variables["keys"] == "['NCCL_IB_TC', 'NCCL_SOCKET_IFNAME', 'NCCL_IB_GID_INDEX']"
+    values = "{'NCCL_IB_TC': '184', 'NCCL_SOCKET_IFNAME': 'eth1', 'NCCL_IB_GID_INDEX': '3'}"
+    keys = "['NCCL_IB_TC', 'NCCL_SOCKET_IFNAME', 'NCCL_IB_GID_INDEX']"
+    assert keys in variables["missing"] and values in variables["replaced"]
     assert "'example.com/fab' in c.resources.requests" in variables["holds"]
     patch = policy["spec"]["mutations"][0]["jsonPatch"]["expression"]
-    assert patch.startswith("!variables.active ? [] : ")
+    # Nothing unless the namespace allows IPC_LOCK and the pod has a target container.
+    assert patch.startswith("!(!((has(namespaceObject.metadata.labels) && ")
+    assert "size(object.spec.containers) > 0 && size(variables.targets) > 0) ? [] : " in patch
+    # A container without env gets all of them as one literal, and the record says so.
+    entries = (
+        "[{'name': 'NCCL_IB_TC', 'value': '184'}, {'name': 'NCCL_SOCKET_IFNAME', "
+        "'value': 'eth1'}, {'name': 'NCCL_IB_GID_INDEX', 'value': '3'}]"
+    )
+    assert entries in patch
+    assert (
+        """',"env":{"NCCL_IB_TC":"184","NCCL_SOCKET_IFNAME":"eth1","NCCL_IB_GID_INDEX":"3"}}'"""
+        in patch
+    )
     assert "jsonpatch.escapeKey('example.com/fab')" in patch
     assert "jsonpatch.escapeKey('injected.metaroce.io/fabric')" in patch
 
@@ -104,7 +115,7 @@ def test_match_condition_selects_the_network_and_guards_reinvocation() -> None:
 
 
 def test_variables_are_declared_before_use() -> None:
-    variables = pod_policy_variables("n", "metaroce.io/n", {"NCCL_IB_TC": "104"}, "false")
+    variables = pod_policy_variables("n", "metaroce.io/n", {"NCCL_IB_TC": "104"})
     seen: set[str] = set()
     for var in variables:
         used = {
