@@ -218,10 +218,90 @@ def pod_policy_variables(network: str, resource: str, env: dict[str, str]) -> li
     ]
 
 
-def active_expression(forbidden: str) -> str:
-    """CEL: the policy injects anything: the namespace allows IPC_LOCK, the pod has a
-    container and a target container."""
-    return f"!({forbidden}) && size({CONTAINERS}) > 0 && size(variables.targets) > 0"
+FIRST: Final = "object.spec.containers[0]"
+
+
+def single_container_expression(resource: str) -> str:
+    """CEL: the usual pod, whose only possible target is its one container, which has no
+    env and does not hold the resource (no init containers, no `metaroce.io/container`):
+    its ops need no per-container state (`single_container_ops`)."""
+    r = lit(resource)
+    holds = (
+        f"(has({FIRST}.resources) && ((has({FIRST}.resources.requests) && "
+        f"{r} in {FIRST}.resources.requests) || "
+        f"(has({FIRST}.resources.limits) && {r} in {FIRST}.resources.limits)))"
+    )
+    return (
+        f"!has(object.spec.initContainers) && size({CONTAINERS}) == 1 && "
+        f"!({lit(c.CONTAINER_ANNOTATION)} in {ANN}) && !has({FIRST}.env) && !{holds}"
+    )
+
+
+def single_container_ops(network: str, resource: str, env: dict[str, str]) -> str:
+    """CEL: the ops of the general expression for the pod of `single_container_expression`,
+    in the same order, with no variable: the resource into container 0 (by what its
+    resources have), IPC_LOCK (by what its securityContext has), all of the network's
+    variables as one literal env, and the record (literal but the container's name; it
+    names the capability only when one was added)."""
+    r = lit(resource)
+    esc = f"jsonpatch.escapeKey({r})"
+    one = f"{{{r}: '1'}}"
+    at = "'/spec/containers/0"
+    res = f"{FIRST}.resources"
+    both = f"{{'requests': {one}, 'limits': {one}}}"
+    whole = f"JSONPatch{{op: 'add', path: {at}/resources', value: {both}}}"
+    requests = f"JSONPatch{{op: 'add', path: {at}/resources/requests', value: {one}}}"
+    request = f"JSONPatch{{op: 'add', path: {at}/resources/requests/' + {esc}, value: '1'}}"
+    limits = f"JSONPatch{{op: 'add', path: {at}/resources/limits', value: {one}}}"
+    limit = f"JSONPatch{{op: 'add', path: {at}/resources/limits/' + {esc}, value: '1'}}"
+    resource_ops = (
+        f"(!has({res}) ? [{whole}] : has({res}.requests) ? "
+        f"(has({res}.limits) ? [{request}, {limit}] : [{request}, {limits}]) : "
+        f"(has({res}.limits) ? [{requests}, {limit}] : [{requests}, {limits}]))"
+    )
+    env_op = [f"JSONPatch{{op: 'add', path: {at}/env', value: {env_entries(env)}}}"] if env else []
+    lit(resource)  # refuses what would need escaping in the JSON text below
+    key = lit(record_key(network))
+    rest = f'","resources":{{"{resource}":"1"}}'
+
+    def record(capability: bool) -> str:
+        text = rest + (',"capabilities":["IPC_LOCK"]' if capability else "") + record_env(env)
+        return (
+            "JSONPatch{op: 'add', path: '/metadata/annotations/' + jsonpatch.escapeKey("
+            f'{key}), value: \'{{"container":"\' + {FIRST}.name + {json_text(text + "}")}}}'
+        )
+
+    with_cap, without = record(True), record(False)
+
+    def then(cap_op: str | None) -> str:
+        ops = ([cap_op] if cap_op else []) + env_op + [with_cap if cap_op else without]
+        return "[" + ", ".join(ops) + "]"
+
+    ipc = lit(IPC_LOCK)
+    sc = f"{FIRST}.securityContext"
+    cap_at = f"{at}/securityContext"
+    add = f"{{'add': [{ipc}]}}"
+    capability_ops = (
+        f"(!has({sc}) ? "
+        + then(f"JSONPatch{{op: 'add', path: {cap_at}', value: {{'capabilities': {add}}}}}")
+        + f" : !has({sc}.capabilities) ? "
+        + then(f"JSONPatch{{op: 'add', path: {cap_at}/capabilities', value: {{'add': [{ipc}]}}}}")
+        + f" : (has({sc}.capabilities.drop) && {ipc} in {sc}.capabilities.drop) ? "
+        + then(None)
+        + f" : !has({sc}.capabilities.add) ? "
+        + then(f"JSONPatch{{op: 'add', path: {cap_at}/capabilities/add', value: [{ipc}]}}")
+        + f" : {ipc} in {sc}.capabilities.add ? "
+        + then(None)
+        + " : "
+        + then(f"JSONPatch{{op: 'add', path: {cap_at}/capabilities/add/-', value: {ipc}}}")
+        + ")"
+    )
+    return f"{resource_ops} + {capability_ops}"
+
+
+def active_expression() -> str:
+    """CEL: the general expression has a target container to inject into."""
+    return f"size({CONTAINERS}) > 0 && size(variables.targets) > 0"
 
 
 def _resource_ops(resource: str) -> str:
@@ -317,7 +397,9 @@ def _record_op(network: str, resource: str, env: dict[str, str]) -> str:
 
 
 def pod_patch_expression(network: str, resource: str, env: dict[str, str], forbidden: str) -> str:
-    """The JSONPatch mutation (CEL): nothing unless `active_expression`; the record last."""
+    """The JSONPatch mutation (CEL): nothing where the namespace forbids IPC_LOCK; the
+    usual pod's ops without per-container state (`single_container_ops`), else the
+    general ones when there is a target (`active_expression`); the record last."""
     ops = " + ".join(
         [
             _resource_ops(resource),
@@ -326,7 +408,11 @@ def pod_patch_expression(network: str, resource: str, env: dict[str, str], forbi
             _record_op(network, resource, env),
         ]
     )
-    return f"!({active_expression(forbidden)}) ? [] : {ops}"
+    return (
+        f"({forbidden}) ? [] : ({single_container_expression(resource)}) ? "
+        f"{single_container_ops(network, resource, env)} : "
+        f"({active_expression()}) ? {ops} : []"
+    )
 
 
 def match_conditions(network: str) -> list[dict[str, str]]:

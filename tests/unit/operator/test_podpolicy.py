@@ -19,10 +19,13 @@ from metaroce_operator.render.podpolicy import (
     forbidden_expression,
     lit,
     match_conditions,
+    pod_patch_expression,
     pod_policy_variables,
     policy_name,
     record_key,
     render_pod_policy,
+    single_container_expression,
+    single_container_ops,
 )
 from metaroce_operator.settings import RenderSettings, SettingsError
 
@@ -84,8 +87,8 @@ def test_the_network_s_values_are_literals_of_the_policy() -> None:
     assert "'example.com/fab' in c.resources.requests" in variables["holds"]
     patch = policy["spec"]["mutations"][0]["jsonPatch"]["expression"]
     # Nothing unless the namespace allows IPC_LOCK and the pod has a target container.
-    assert patch.startswith("!(!((has(namespaceObject.metadata.labels) && ")
-    assert "size(object.spec.containers) > 0 && size(variables.targets) > 0) ? [] : " in patch
+    assert patch.startswith("((has(namespaceObject.metadata.labels) && ")
+    assert "(size(object.spec.containers) > 0 && size(variables.targets) > 0) ? " in patch
     # A container without env gets all of them as one literal, and the record says so.
     entries = (
         "[{'name': 'NCCL_IB_TC', 'value': '184'}, {'name': 'NCCL_SOCKET_IFNAME', "
@@ -162,3 +165,25 @@ def test_admission_mode_flag_and_chart_arguments() -> None:
         settings_from_args(["--admission-mode=both"])
     with pytest.raises(SettingsError, match="--pod-security-default='lax'"):
         settings_from_args(["--pod-security-default=lax"])
+
+
+def test_the_usual_pod_s_ops_read_no_variable() -> None:
+    """One container without env, not holding the resource: its branch reads no CEL
+    variable (each costs the apiserver a program evaluation per pod); the general
+    expression, with its per-container states, is the other branch."""
+    resource = "metaroce.io/fabric"
+    env = {"NCCL_IB_TC": "104", "NCCL_IB_TIMEOUT": "20"}
+    single = single_container_ops("fabric", resource, env)
+    assert "variables." not in single
+    assert "'/spec/containers/0/env', value: [{'name': 'NCCL_IB_TC', 'value': '104'}" in single
+    # The record names the capability only in the branches that add it.
+    assert single.count('"capabilities":["IPC_LOCK"]') == 4
+    assert single.count('"env":{"NCCL_IB_TC":"104","NCCL_IB_TIMEOUT":"20"}}') == 6
+    guard = single_container_expression(resource)
+    assert "!has(object.spec.initContainers) && size(object.spec.containers) == 1" in guard
+    assert "!has(object.spec.containers[0].env)" in guard
+    assert "'metaroce.io/fabric' in object.spec.containers[0].resources.limits" in guard
+    patch = pod_patch_expression("fabric", resource, env, "F")
+    assert patch.startswith(f"(F) ? [] : ({guard}) ? {single} : (")
+    # No env to inject: no env op, and the record says so.
+    assert "/env'" not in single_container_ops("fabric", resource, {})
