@@ -73,6 +73,45 @@ func compile(policy *admissionregistrationv1.MutatingAdmissionPolicy) evaluator 
 	return evaluator{matcher, patchers, compiler}
 }
 
+// compileValidating is validating.compilePolicy (unexported) for a policy without params.
+func compileValidating(policy *admissionregistrationv1.ValidatingAdmissionPolicy) validating.Validator {
+	opts := plugincel.OptionalVariableDeclarations{HasParams: false, HasAuthorizer: true}
+	msgOpts := plugincel.OptionalVariableDeclarations{HasParams: false, HasAuthorizer: false}
+	compiler, err := plugincel.NewCompositedCompiler(environment.MustBaseEnvSet(environment.DefaultCompatibilityVersion()))
+	if err != nil {
+		panic(err)
+	}
+	vars := make([]plugincel.NamedExpressionAccessor, len(policy.Spec.Variables))
+	for i, v := range policy.Spec.Variables {
+		vars[i] = &validating.Variable{Name: v.Name, Expression: v.Expression}
+	}
+	compiler.CompileAndStoreVariables(vars, opts, environment.StoredExpressions)
+	var matcher matchconditions.Matcher
+	if mc := policy.Spec.MatchConditions; len(mc) > 0 {
+		acc := make([]plugincel.ExpressionAccessor, len(mc))
+		for i := range mc {
+			acc[i] = (*matchconditions.MatchCondition)(&mc[i])
+		}
+		matcher = matchconditions.NewMatcher(compiler.CompileCondition(acc, opts, environment.StoredExpressions), policy.Spec.FailurePolicy, "policy", "validate", policy.Name)
+	}
+	validations := make([]plugincel.ExpressionAccessor, len(policy.Spec.Validations))
+	messages := make([]plugincel.ExpressionAccessor, len(policy.Spec.Validations))
+	for i, v := range policy.Spec.Validations {
+		validations[i] = &validating.ValidationCondition{Expression: v.Expression, Message: v.Message, Reason: v.Reason}
+		if v.MessageExpression != "" {
+			messages[i] = &validating.MessageExpressionCondition{MessageExpression: v.MessageExpression}
+		}
+	}
+	return validating.NewValidator(
+		compiler.CompileCondition(validations, opts, environment.StoredExpressions),
+		matcher,
+		compiler.CompileCondition(nil, opts, environment.StoredExpressions),
+		compiler.CompileCondition(messages, msgOpts, environment.StoredExpressions),
+		policy.Spec.FailurePolicy,
+		nil,
+	)
+}
+
 func main() {
 	// usage: celbench ITERATIONS POD.json POLICY.json [POLICY.json...]
 	// Runs the policies in order on the pod (each: match conditions, then its mutations),
@@ -81,13 +120,28 @@ func main() {
 	fmt.Sscan(os.Args[1], &n)
 	var pod corev1.Pod
 	must(json.Unmarshal(read(os.Args[2]), &pod))
+	// Mutating policies run in the order given; validating ones (kind
+	// ValidatingAdmissionPolicy) after all of them, on the mutated pod: their refusals are
+	// printed after the pod, one line each.
 	var evs []evaluator
+	var vals []validating.Validator
 	for _, f := range os.Args[3:] {
+		var kind metav1.TypeMeta
+		must(json.Unmarshal(read(f), &kind))
+		if kind.Kind == "ValidatingAdmissionPolicy" {
+			var policy admissionregistrationv1.ValidatingAdmissionPolicy
+			must(json.Unmarshal(read(f), &policy))
+			vals = append(vals, compileValidating(&policy))
+			continue
+		}
 		var policy admissionregistrationv1.MutatingAdmissionPolicy
 		must(json.Unmarshal(read(f), &policy))
 		evs = append(evs, compile(&policy))
 	}
 	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "bench", Labels: map[string]string{"kubernetes.io/metadata.name": "bench"}}}
+	if labels := os.Getenv("NAMESPACE_LABELS"); labels != "" { // JSON, e.g. a Pod Security level
+		must(json.Unmarshal([]byte(labels), &ns.Labels))
+	}
 	gvk := schema.GroupVersionKind{Version: "v1", Kind: "Pod"}
 	gvr := schema.GroupVersionResource{Version: "v1", Resource: "pods"}
 	oi := admission.NewObjectInterfacesFromScheme(scheme.Scheme)
@@ -121,6 +175,18 @@ func main() {
 			tp += time.Since(t1)
 		}
 		out, _ := json.Marshal(cur)
+		t2 := time.Now()
+		for _, v := range vals {
+			attr := admission.NewAttributesRecord(cur, nil, gvk, "bench", "p", gvr, "", admission.Create, &metav1.CreateOptions{}, false, &user.DefaultInfo{Name: "admin"})
+			va := &admission.VersionedAttributes{Attributes: attr, VersionedKind: gvk, VersionedObject: admission.NewLazyObject(cur)}
+			res := v.Validate(context.Background(), gvr, va, nil, ns, celconfig.RuntimeCELCostBudget, nil)
+			for _, d := range res.Decisions {
+				if d.Action != validating.ActionAdmit {
+					out = append(out, []byte(fmt.Sprintf("\n%s %s %s", d.Action, d.Reason, d.Message))...)
+				}
+			}
+		}
+		tp += time.Since(t2)
 		return tm, tp, out
 	}
 	_, _, out := run()

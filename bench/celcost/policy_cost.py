@@ -1,13 +1,15 @@
-"""The network's MutatingAdmissionPolicy in the apiserver's own code (celcost): the same
-pods out as another revision's rendering, and its CPU per pod beside the floors.
+"""The policy mode's admission policies in the apiserver's own code (celcost): the same
+pods and refusals as another revision's, and their CPU per pod beside the floors.
 
-Not a timed test. 1. every shared admission case (tests/fixtures/admission_cases.py) and
-extra container shapes, with each order of the networks' policies, through the policies
-rendered by the working tree and by the git revision `--against`: the pods out must be
-identical (the same JSON). 2. the usual pod (one container, nothing set) through the
-working tree's policy, the revision's, a policy of the same ops as constants (the floor
-of this mutation: the JSON patch round trip) and a one-op policy (the floor of any
-JSONPatch policy): CPU per pod, the best of `--repeat` runs.
+Not a timed test. 1. every shared admission case (tests/fixtures/admission_cases.py, with
+its namespace's Pod Security label) and extra container shapes, with each order of the
+networks' MutatingAdmissionPolicies and then the chart's ValidatingAdmissionPolicy, as the
+working tree and the git revision `--against` render them: the pods out and the refusals
+must be identical. 2. the usual pod (one container, nothing set) through the working
+tree's network policy, the revision's, a policy of the same ops as constants (the floor of
+this mutation: the JSON patch round trip) and a one-op policy (the floor of any JSONPatch
+policy), then the network policy with the chart's ValidatingAdmissionPolicy of each:
+CPU per pod, the best of `--repeat` runs.
 
     .venv/bin/python bench/celcost/policy_cost.py [--against HEAD] [--repeat 3]
 """
@@ -21,12 +23,15 @@ import itertools
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+import yaml
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -36,6 +41,7 @@ sys.path.insert(0, str(REPO / "tests" / "unit" / "operator"))
 from fixtures.admission_cases import BE_SPEC, CASES, Case, Names, fe_spec  # noqa: E402
 from operator_testlib import network  # noqa: E402
 
+from metaroce_harness.cluster import ensure_binaries  # noqa: E402
 from metaroce_operator.render import podpolicy  # noqa: E402
 from metaroce_operator.settings import RenderSettings  # noqa: E402
 
@@ -95,12 +101,42 @@ def module_at(rev: str, workdir: Path) -> ModuleType:
     return module
 
 
-def celcost(iterations: int, pod: Path, *policies: Path) -> tuple[str, float | None]:
+def chart_policy(rev: str | None, workdir: Path) -> dict[str, Any]:
+    """The chart's ValidatingAdmissionPolicy of the policy mode (at `rev`, else the tree's)."""
+    chart = workdir / f"chart-{rev or 'tree'}"
+    shutil.copytree(REPO / "charts" / "metaroce", chart)
+    template = "templates/pod-policies.yaml"
+    if rev:
+        (chart / template).write_text(
+            subprocess.run(
+                ["git", "-C", str(REPO), "show", f"{rev}:charts/metaroce/{template}"],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
+        )
+    helm = ensure_binaries().bin_dir / "helm"
+    args = ["template", "r", str(chart), "--set", "admission.mode=policy"]
+    args += ["--kube-version", "v1.37.2", "--show-only", template]
+    out = subprocess.run(
+        [str(helm), *args],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    docs = [d for d in yaml.safe_load_all(out) if d]
+    policy: dict[str, Any] = next(d for d in docs if d["kind"] == "ValidatingAdmissionPolicy")
+    return policy
+
+
+def celcost(
+    iterations: int, pod: Path, *policies: Path, labels: dict[str, str] | None = None
+) -> tuple[str, float | None]:
     proc = subprocess.run(
         [str(HERE / "celcost"), str(iterations), str(pod), *map(str, policies)],
         capture_output=True,
         text=True,
-        env={**os.environ, "GOMAXPROCS": "1"},
+        env={**os.environ, "GOMAXPROCS": "1", "NAMESPACE_LABELS": json.dumps(labels or {})},
     )
     if proc.returncode:
         return "ERROR " + proc.stderr[-400:], None
@@ -128,23 +164,34 @@ def main(argv: list[str] | None = None) -> int:
         for name, net in nets.items():
             files[(tag, name)] = work / f"{tag}-{name}.json"
             files[(tag, name)].write_text(json.dumps(module.render_pod_policy(net, SETTINGS)[0]))
+        files[(tag, "vap")] = work / f"{tag}-vap.json"
+        files[(tag, "vap")].write_text(
+            json.dumps(chart_policy(None if tag == "tree" else args.against, work))
+        )
     cases = list(CASES) + [
         Case(f"extra-{i}", nets_, containers=cs)
         for i, cs in enumerate(EXTRA)
         for nets_ in ("{be}", "{be},{fe}", "{fe},{be}")
     ]
     cases.append(Case("extra-init", "{be}", init_containers=[{"name": "i", "image": "x"}]))
-    runs = differ = 0
+    runs = differ = refused = 0
     pod_file = work / "pod.json"
     for case in cases:
         if case.networks is None:
             continue
         pod_file.write_text(json.dumps(case.pod(NAMES, "p")))
+        labels = (
+            {"pod-security.kubernetes.io/enforce": case.pod_security} if case.pod_security else {}
+        )
         present = [n for n in nets if n in case.networks]
         for order in itertools.permutations(present):
             outs = {
-                tag: celcost(0, pod_file, *(files[(tag, n)] for n in order))[0] for tag in modules
+                tag: celcost(
+                    0, pod_file, *(files[(tag, n)] for n in (*order, "vap")), labels=labels
+                )[0]
+                for tag in modules
             }
+            refused += "\ndeny " in outs["tree"]
             runs += 1
             if outs["tree"] != outs["rev"] or outs["tree"].startswith("ERROR"):
                 differ += 1
@@ -152,7 +199,10 @@ def main(argv: list[str] | None = None) -> int:
                     f"[celcost] DIFFERENT {case.id} {order}:\n  {args.against}: {outs['rev']}\n"
                     f"  tree: {outs['tree']}"
                 )
-    print(f"[celcost] {runs} pods (case x network order): {differ} differ from {args.against}")
+    print(
+        f"[celcost] {runs} pods (case x network order), {refused} of them refused: "
+        f"{differ} differ from {args.against}"
+    )
 
     # CPU per pod for the usual pod.
     usual = Case("usual", "{be}").pod(NAMES, "p")
@@ -179,7 +229,10 @@ def main(argv: list[str] | None = None) -> int:
         "constant ops": "[" + ", ".join(ops) + "]",
         "one op": "[" + ops[-1].replace(f"'{record}'", "'{}'") + "]",
     }
-    candidates = {"tree": files[("tree", "be")], args.against: files[("rev", "be")]}
+    candidates: dict[str, list[Path]] = {
+        "tree": [files[("tree", "be")]],
+        args.against: [files[("rev", "be")]],
+    }
     for label, expression in floors.items():
         policy = copy.deepcopy(tree_policy)
         policy["spec"]["variables"] = []
@@ -189,11 +242,13 @@ def main(argv: list[str] | None = None) -> int:
         if label == "constant ops":
             same, _ = celcost(0, pod_file, path)
             assert same == out, "the constant ops do not give the same pod"
-        candidates[label] = path
+        candidates[label] = [path]
+    candidates["tree + its VAP"] = [files[("tree", "be")], files[("tree", "vap")]]
+    candidates[f"tree + {args.against}'s VAP"] = [files[("tree", "be")], files[("rev", "vap")]]
     best: dict[str, float] = {}
     for _ in range(args.repeat):
-        for label, path in candidates.items():
-            _, cpu = celcost(args.iterations, pod_file, path)
+        for label, paths in candidates.items():
+            _, cpu = celcost(args.iterations, pod_file, *paths)
             assert cpu is not None, label
             best[label] = min(best.get(label, cpu), cpu)
     print(
@@ -201,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         f"load {os.getloadavg()[0]:.1f}):"
     )
     for label, cpu in best.items():
-        print(f"  {label:14s} {cpu:7.1f} us")
+        print(f"  {label:24s} {cpu:7.1f} us")
     return 1 if differ else 0
 
 
