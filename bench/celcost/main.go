@@ -22,6 +22,7 @@ import (
 	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apiserver/pkg/admission"
@@ -42,7 +43,7 @@ type evaluator struct {
 }
 
 func compile(policy *admissionregistrationv1.MutatingAdmissionPolicy) evaluator {
-	opts := plugincel.OptionalVariableDeclarations{HasParams: false, HasAuthorizer: true}
+	opts := plugincel.OptionalVariableDeclarations{HasParams: policy.Spec.ParamKind != nil, HasAuthorizer: true}
 	compiler, err := plugincel.NewCompositedCompiler(environment.MustBaseEnvSet(environment.DefaultCompatibilityVersion()))
 	if err != nil {
 		panic(err)
@@ -145,6 +146,13 @@ func main() {
 	gvk := schema.GroupVersionKind{Version: "v1", Kind: "Pod"}
 	gvr := schema.GroupVersionResource{Version: "v1", Resource: "pods"}
 	oi := admission.NewObjectInterfacesFromScheme(scheme.Scheme)
+	// The mutating policies' param (their binding's paramRef: the network), JSON.
+	var params runtime.Object
+	if text := os.Getenv("PARAMS"); text != "" {
+		object := map[string]interface{}{}
+		must(json.Unmarshal([]byte(text), &object))
+		params = &unstructured.Unstructured{Object: object}
+	}
 	run := func() (time.Duration, time.Duration, []byte) {
 		var tm, tp time.Duration
 		var cur runtime.Object = pod.DeepCopy()
@@ -154,7 +162,7 @@ func main() {
 			ctx := ev.compiler.CreateContext(context.Background())
 			t0 := time.Now()
 			if ev.matcher != nil {
-				r := ev.matcher.Match(ctx, va, nil, nil)
+				r := ev.matcher.Match(ctx, va, params, nil)
 				if r.Error != nil {
 					panic(r.Error)
 				}
@@ -165,7 +173,8 @@ func main() {
 			}
 			t1 := time.Now()
 			for _, pt := range ev.patchers {
-				obj, err := pt.Patch(ctx, patch.Request{MatchedResource: gvr, VersionedAttributes: va, ObjectInterfaces: oi, Namespace: ns}, celconfig.RuntimeCELCostBudget)
+				req := patch.Request{MatchedResource: gvr, VersionedAttributes: va, ObjectInterfaces: oi, Namespace: ns, OptionalVariables: plugincel.OptionalVariableBindings{VersionedParams: params}}
+				obj, err := pt.Patch(ctx, req, celconfig.RuntimeCELCostBudget)
 				if err != nil {
 					panic(err)
 				}

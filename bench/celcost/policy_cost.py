@@ -85,6 +85,11 @@ EXTRA: list[list[dict[str, Any]]] = [
 ]
 
 
+PARAMS = json.dumps(
+    {"apiVersion": "metaroce.io/v1alpha1", "kind": "MetaRoceNetwork", "metadata": {"name": "n"}}
+)
+
+
 def module_at(rev: str, workdir: Path) -> ModuleType:
     text = subprocess.run(
         ["git", "-C", str(REPO), "show", f"{rev}:operator/metaroce_operator/render/podpolicy.py"],
@@ -136,7 +141,12 @@ def celcost(
         [str(HERE / "celcost"), str(iterations), str(pod), *map(str, policies)],
         capture_output=True,
         text=True,
-        env={**os.environ, "GOMAXPROCS": "1", "NAMESPACE_LABELS": json.dumps(labels or {})},
+        env={
+            **os.environ,
+            "GOMAXPROCS": "1",
+            "NAMESPACE_LABELS": json.dumps(labels or {}),
+            "PARAMS": PARAMS,  # the network, as the binding's paramRef gives it
+        },
     )
     if proc.returncode:
         return "ERROR " + proc.stderr[-400:], None
