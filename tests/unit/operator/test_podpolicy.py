@@ -16,12 +16,15 @@ from metaroce_api import constants as c
 from metaroce_operator.cli import chart_arguments, settings_from_args
 from metaroce_operator.render import render_network
 from metaroce_operator.render.podpolicy import (
+    env_entries,
     forbidden_expression,
+    json_text,
     lit,
     match_conditions,
     pod_patch_expression,
     pod_policy_variables,
     policy_name,
+    record_env,
     record_key,
     render_pod_policy,
     single_container_expression,
@@ -54,7 +57,10 @@ def test_policy_mode_renders_the_policy_and_binding_last_owned_by_the_network() 
         # agents' ClusterRole owns): a deleted network's pods must lose their policy at once.
         (ref,) = obj["metadata"]["ownerReferences"]
         assert (ref["kind"], ref["name"], ref["uid"]) == (c.NETWORK_KIND, "fabric", "uid-1")
-    assert binding["spec"] == {"policyName": "metaroce-pods-fabric"}
+    assert binding["spec"] == {
+        "policyName": "metaroce-pods-fabric",
+        "paramRef": {"name": "fabric", "parameterNotFoundAction": "Allow"},
+    }
     spec = policy["spec"]
     assert spec["failurePolicy"] == "Fail" and spec["reinvocationPolicy"] == "Never"
     rule = spec["matchConstraints"]["resourceRules"][0]
@@ -115,6 +121,8 @@ def test_match_condition_selects_the_network_and_guards_reinvocation() -> None:
         < text.index("contains")
     )
     assert record_key("fabric") == "injected.metaroce.io/fabric"
+    # The network (the binding's param) being deleted: nothing injected.
+    assert text.endswith(" && !has(params.metadata.deletionTimestamp)")
 
 
 def test_variables_are_declared_before_use() -> None:
@@ -187,3 +195,17 @@ def test_the_usual_pod_s_ops_read_no_variable() -> None:
     assert patch.startswith(f"(F) ? [] : ({guard}) ? {single} : (")
     # No env to inject: no env op, and the record says so.
     assert "/env'" not in single_container_ops("fabric", resource, {})
+
+
+def test_literal_builders() -> None:
+    env = {"NCCL_IB_TC": "104", "NCCL_SOCKET_IFNAME": "eth0"}
+    assert env_entries(env) == (
+        "[{'name': 'NCCL_IB_TC', 'value': '104'}, {'name': 'NCCL_SOCKET_IFNAME', 'value': 'eth0'}]"
+    )
+    assert record_env(env) == ',"env":{"NCCL_IB_TC":"104","NCCL_SOCKET_IFNAME":"eth0"}'
+    assert record_env({}) == ',"env":{}'
+    assert json_text('{"a":"b"}') == """'{"a":"b"}'"""
+    with pytest.raises(ValueError, match="quotes"):
+        json_text("it's")
+    with pytest.raises(ValueError, match="unusual characters"):
+        record_env({"A": "x'y"})
