@@ -212,3 +212,58 @@ def test_network_deleted_while_the_operator_is_stopped_leaves_no_policy(
         wait_for("pods naming the deleted network to be refused", refused, timeout=30)
     finally:
         env.start_replica()
+
+
+def test_network_being_deleted_while_the_operator_is_stopped_injects_nothing(
+    running: ModeEnv,
+) -> None:
+    """A network with the operator's cleanup finalizer, deleted while the operator is
+    down, waits for it (Terminating); the garbage collector keeps its policy until then,
+    but the policy reads the network's deletionTimestamp (its binding's param) and
+    injects nothing: pods naming it are refused."""
+    env = running.env
+    name = f"held-{env.tag}"
+    env.create_network(name, healthy=0)
+    env.wait_cached(name)
+    if env.mode == "webhook":
+        # Never both; and the pod webhook fails closed while it is down (above).
+        assert env.pod_policy_objects(name) == []
+        running.cluster.kubectl("delete", c.NETWORK_PLURAL, name, "--wait=false")
+        return
+    kubectl = running.cluster.kubectl
+    finalizer = json.dumps({"metadata": {"finalizers": [c.CLEANUP_FINALIZER]}})
+    kubectl("patch", c.NETWORK_PLURAL, name, "--type=merge", "-p", finalizer)
+    ns = running.namespaces[None]
+    env.stop_replica()
+    try:
+        kubectl("delete", c.NETWORK_PLURAL, name, "--wait=false")
+
+        def refused() -> bool:
+            pod, refusal = running.create(pod_manifest("late", name), ns)
+            return pod is None and f"network '{name}'" in refusal and "does not exist" in refusal
+
+        wait_for("pods naming the network being deleted to be refused", refused, timeout=30)
+        assert env.pod_policy_objects(name) == [
+            "mutatingadmissionpolicy",
+            "mutatingadmissionpolicybinding",
+        ]
+        # The operator's work done: the finalizer goes, and the policy with the network.
+        kubectl(
+            "patch", c.NETWORK_PLURAL, name, "--type=merge", "-p", '{"metadata":{"finalizers":[]}}'
+        )
+        wait_for(
+            "the garbage collector to delete the policy",
+            lambda: not env.pod_policy_objects(name),
+            timeout=60,
+        )
+    finally:
+        kubectl(
+            "patch",
+            c.NETWORK_PLURAL,
+            name,
+            "--type=merge",
+            "-p",
+            '{"metadata":{"finalizers":[]}}',
+            check=False,
+        )
+        env.start_replica()

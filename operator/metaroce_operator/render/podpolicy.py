@@ -31,7 +31,18 @@ than PodSecurity's), and a network without a record after mutation, i.e. one tha
 policy: it does not exist (or the operator has not rendered it yet).
 
 The policy and binding are owned by the network (controller owner reference), so the
-garbage collector deletes them with it, operator running or not.
+garbage collector deletes them with it, operator running or not. The binding's param is
+the network itself: one being deleted (waiting on the operator's cleanup finalizer while
+the operator is down, which the garbage collector waits for too) makes the policy inject
+nothing, so pods naming it are refused.
+
+Cost (the apiserver runs this for every pod created): each CEL variable is a program of
+its own, and each field read walks the typed pod by reflection, so the usual pod (one
+container without env, not holding the resource) takes a branch that reads a handful of
+fields and emits literal ops, and the general expression keeps its per-container state in
+few variables. bench/celcost measures it in the apiserver's own code against the floor of
+the same ops as constants (the JSON patch round trip), and checks every change against
+another revision: the same pods out for every shared admission case.
 """
 
 from __future__ import annotations
@@ -79,6 +90,27 @@ def cel_map(items: dict[str, str]) -> str:
     return "{" + ", ".join(f"{lit(k)}: {lit(v)}" for k, v in items.items()) + "}"
 
 
+def env_entries(env: dict[str, str]) -> str:
+    """CEL: `env` as a container's env list literal, `[{'name': ..., 'value': ...}, ...]`."""
+    return "[" + ", ".join(f"{{'name': {lit(k)}, 'value': {lit(v)}}}" for k, v in env.items()) + "]"
+
+
+def json_text(text: str) -> str:
+    """`text` (JSON made of `lit`-safe names and values) as a CEL string literal: JSON's
+    quotes and braces need no escape in a single-quoted CEL string, `'` and `\\` would."""
+    if "'" in text or "\\" in text:
+        raise ValueError(f"{text!r} cannot be rendered into an admission policy (quotes)")
+    return f"'{text}'"
+
+
+def record_env(env: dict[str, str]) -> str:
+    """The record's `env` member naming every variable of `env` (JSON text, no brace closing
+    the record): what the record says when each target container had no env of its own."""
+    for k, v in env.items():
+        lit(k), lit(v)  # refuses what would need escaping
+    return ',"env":{' + ",".join(f'"{k}":"{v}"' for k, v in env.items()) + "}"
+
+
 def forbidden_expression(check: bool, default_level: str) -> str:
     """CEL: the pod's namespace enforces a Pod Security level that forbids IPC_LOCK
     (its label, else the cluster's default level)."""
@@ -97,28 +129,33 @@ def record_key(network: str) -> str:
     return f"{c.POLICY_INJECTED_PREFIX}/{network}"
 
 
-def pod_policy_variables(
-    network: str, resource: str, env: dict[str, str], forbidden: str
-) -> list[dict[str, str]]:
+ANN: Final = "object.metadata.annotations"
+CONTAINERS: Final = "object.spec.containers"
+
+
+def pod_policy_variables(network: str, resource: str, env: dict[str, str]) -> list[dict[str, str]]:
     """The policy's CEL variables, in evaluation order (each may use the ones before).
 
-    The apiserver evaluates a variable once per admission, when first used, and every
-    field read walks the typed pod by reflection, which dominates the cost (profiled:
-    bench/webhook_admission.py --pprof): so each container field is read once, into small
-    per-target states, and what a pod does not need (init containers, the annotation's
-    parse for several networks) is never evaluated."""
+    The apiserver evaluates a variable once per admission, when first used, each as a
+    program of its own: about 2 us of CPU per variable on top of its expression, and every
+    field read walks the typed pod by reflection (profiled: bench/admission_policy_cost.py,
+    bench/celcost). So only what is used more than once is a variable, each container field
+    is read once into small per-target states, constants are literals where they are used,
+    and what a pod does not need (init containers, the annotation's parse for several
+    networks) is never evaluated."""
     r = lit(resource)
     has_resource = (
         f"has(c.resources) && ((has(c.resources.requests) && {r} in c.resources.requests) || "
         f"(has(c.resources.limits) && {r} in c.resources.limits))"
     )
     prefix = lit(c.POLICY_INJECTED_PREFIX + "/")
-    sc = "variables.tcs[k].securityContext"
+    named = lit(c.CONTAINER_ANNOTATION)
+    keys = cel_list(list(env))
+    values = cel_map(env)
     return [
-        {"name": "ann", "expression": "object.metadata.annotations"},
         {
             "name": "names",
-            "expression": f"variables.ann[{lit(c.NETWORKS_ANNOTATION)}].split(',')"
+            "expression": f"{ANN}[{lit(c.NETWORKS_ANNOTATION)}].split(',')"
             ".map(s, s.trim()).filter(s, s != '')",
         },
         {
@@ -126,45 +163,43 @@ def pod_policy_variables(
             # their values of a variable this network also wants give way to this one's.
             "name": "later",
             "expression": f"variables.names.filter(n, variables.names.indexOf(n) > "
-            f"variables.names.indexOf({lit(network)}) && ({prefix} + n) in variables.ann)"
-            f".map(n, variables.ann[{prefix} + n])",
+            f"variables.names.indexOf({lit(network)}) && ({prefix} + n) in {ANN})"
+            f".map(n, {ANN}[{prefix} + n])",
         },
-        {"name": "forbidden", "expression": forbidden},
-        {"name": "n", "expression": "size(object.spec.containers)"},
         {
             "name": "all",
-            "expression": "has(object.spec.initContainers) ? "
-            "object.spec.containers + object.spec.initContainers : object.spec.containers",
+            "expression": f"has(object.spec.initContainers) ? "
+            f"{CONTAINERS} + object.spec.initContainers : {CONTAINERS}",
         },
         {
             "name": "holds",
             "expression": f"variables.all.transformList(i, c, {has_resource}, i)",
         },
         {
-            "name": "named",
-            "expression": f"{lit(c.CONTAINER_ANNOTATION)} in variables.ann ? "
-            "variables.all.transformList(i, c, c.name == "
-            f"variables.ann[{lit(c.CONTAINER_ANNOTATION)}], i) : [0]",
-        },
-        {
+            # The holders, else the container named by the annotation, else the first.
             "name": "targets",
             "expression": "size(variables.holds) > 0 ? variables.holds : "
-            "(size(variables.named) > 0 ? [variables.named[0]] : [])",
+            f"!({named} in {ANN}) ? [0] : "
+            f"variables.all.exists(c, c.name == {ANN}[{named}]) ? "
+            f"[variables.all.transformList(i, c, c.name == {ANN}[{named}], i)[0]] : []",
         },
         {"name": "tcs", "expression": "variables.targets.map(i, variables.all[i])"},
         {
             "name": "paths",
-            "expression": "variables.targets.map(i, i < variables.n ? "
-            "'/spec/containers/' + string(i) : '/spec/initContainers/' + string(i - variables.n))",
+            "expression": f"variables.targets.map(i, i < size({CONTAINERS}) ? "
+            f"'/spec/containers/' + string(i) : "
+            f"'/spec/initContainers/' + string(i - size({CONTAINERS})))",
         },
         {
             # Per target: how IPC_LOCK gets in. 0: it is there, or the user drops it;
             # 1: no securityContext; 2: no capabilities; 3: no capabilities.add; 4: append.
             "name": "caps",
-            "expression": "variables.targets.transformList(k, i, "
-            f"!has({sc}) ? 1 : !has({sc}.capabilities) ? 2 : "
-            f"(has({sc}.capabilities.drop) && {lit(IPC_LOCK)} in {sc}.capabilities.drop) ? 0 : "
-            f"!has({sc}.capabilities.add) ? 3 : {lit(IPC_LOCK)} in {sc}.capabilities.add ? 0 : 4)",
+            "expression": "variables.tcs.map(t, "
+            "!has(t.securityContext) ? 1 : !has(t.securityContext.capabilities) ? 2 : "
+            "(has(t.securityContext.capabilities.drop) && "
+            f"{lit(IPC_LOCK)} in t.securityContext.capabilities.drop) ? 0 : "
+            "!has(t.securityContext.capabilities.add) ? 3 : "
+            f"{lit(IPC_LOCK)} in t.securityContext.capabilities.add ? 0 : 4)",
         },
         {
             # The default target's resources when no container holds the resource:
@@ -176,29 +211,108 @@ def pod_policy_variables(
             "(has(variables.tcs[0].resources.requests) ? 1 : 0) + "
             "(has(variables.tcs[0].resources.limits) ? 2 : 0) + 2",
         },
-        {"name": "env", "expression": cel_map(env)},
-        {"name": "keys", "expression": cel_list(list(env))},
         {
-            "name": "userEnv",
-            "expression": "variables.tcs.map(t, has(t.env) ? t.env.map(e, e.name) : [])",
-        },
-        {
+            # Per target, the network's variables its env does not set (a target without
+            # env, the usual pod, misses them all: no filter to run).
             "name": "missing",
-            "expression": "variables.userEnv.map(u, variables.keys.filter(k, !(k in u)))",
+            "expression": f"variables.tcs.map(t, !has(t.env) ? {keys} : "
+            f"{keys}.filter(k, !t.env.exists(e, e.name == k)))",
         },
         {
             # Per target: indexes of env entries whose value a later-listed network set.
             "name": "replaced",
             "expression": "variables.tcs.map(t, has(t.env) ? "
-            "t.env.transformList(j, e, e.name in variables.env && "
-            "has(e.value) && e.value != variables.env[e.name] && "
+            f"t.env.transformList(j, e, e.name in {values} && "
+            f"has(e.value) && e.value != {values}[e.name] && "
             "variables.later.exists(r, r.contains('\"' + e.name + '\":')), j) : [])",
         },
-        {
-            "name": "active",
-            "expression": "!variables.forbidden && variables.n > 0 && size(variables.targets) > 0",
-        },
     ]
+
+
+FIRST: Final = "object.spec.containers[0]"
+
+
+def single_container_expression(resource: str) -> str:
+    """CEL: the usual pod, whose only possible target is its one container, which has no
+    env and does not hold the resource (no init containers, no `metaroce.io/container`):
+    its ops need no per-container state (`single_container_ops`)."""
+    r = lit(resource)
+    holds = (
+        f"(has({FIRST}.resources) && ((has({FIRST}.resources.requests) && "
+        f"{r} in {FIRST}.resources.requests) || "
+        f"(has({FIRST}.resources.limits) && {r} in {FIRST}.resources.limits)))"
+    )
+    return (
+        f"!has(object.spec.initContainers) && size({CONTAINERS}) == 1 && "
+        f"!({lit(c.CONTAINER_ANNOTATION)} in {ANN}) && !has({FIRST}.env) && !{holds}"
+    )
+
+
+def single_container_ops(network: str, resource: str, env: dict[str, str]) -> str:
+    """CEL: the ops of the general expression for the pod of `single_container_expression`,
+    in the same order, with no variable: the resource into container 0 (by what its
+    resources have), IPC_LOCK (by what its securityContext has), all of the network's
+    variables as one literal env, and the record (literal but the container's name; it
+    names the capability only when one was added)."""
+    r = lit(resource)
+    esc = f"jsonpatch.escapeKey({r})"
+    one = f"{{{r}: '1'}}"
+    at = "'/spec/containers/0"
+    res = f"{FIRST}.resources"
+    both = f"{{'requests': {one}, 'limits': {one}}}"
+    whole = f"JSONPatch{{op: 'add', path: {at}/resources', value: {both}}}"
+    requests = f"JSONPatch{{op: 'add', path: {at}/resources/requests', value: {one}}}"
+    request = f"JSONPatch{{op: 'add', path: {at}/resources/requests/' + {esc}, value: '1'}}"
+    limits = f"JSONPatch{{op: 'add', path: {at}/resources/limits', value: {one}}}"
+    limit = f"JSONPatch{{op: 'add', path: {at}/resources/limits/' + {esc}, value: '1'}}"
+    resource_ops = (
+        f"(!has({res}) ? [{whole}] : has({res}.requests) ? "
+        f"(has({res}.limits) ? [{request}, {limit}] : [{request}, {limits}]) : "
+        f"(has({res}.limits) ? [{requests}, {limit}] : [{requests}, {limits}]))"
+    )
+    env_op = [f"JSONPatch{{op: 'add', path: {at}/env', value: {env_entries(env)}}}"] if env else []
+    lit(resource)  # refuses what would need escaping in the JSON text below
+    key = lit(record_key(network))
+    rest = f'","resources":{{"{resource}":"1"}}'
+
+    def record(capability: bool) -> str:
+        text = rest + (',"capabilities":["IPC_LOCK"]' if capability else "") + record_env(env)
+        return (
+            "JSONPatch{op: 'add', path: '/metadata/annotations/' + jsonpatch.escapeKey("
+            f'{key}), value: \'{{"container":"\' + {FIRST}.name + {json_text(text + "}")}}}'
+        )
+
+    with_cap, without = record(True), record(False)
+
+    def then(cap_op: str | None) -> str:
+        ops = ([cap_op] if cap_op else []) + env_op + [with_cap if cap_op else without]
+        return "[" + ", ".join(ops) + "]"
+
+    ipc = lit(IPC_LOCK)
+    sc = f"{FIRST}.securityContext"
+    cap_at = f"{at}/securityContext"
+    add = f"{{'add': [{ipc}]}}"
+    capability_ops = (
+        f"(!has({sc}) ? "
+        + then(f"JSONPatch{{op: 'add', path: {cap_at}', value: {{'capabilities': {add}}}}}")
+        + f" : !has({sc}.capabilities) ? "
+        + then(f"JSONPatch{{op: 'add', path: {cap_at}/capabilities', value: {{'add': [{ipc}]}}}}")
+        + f" : (has({sc}.capabilities.drop) && {ipc} in {sc}.capabilities.drop) ? "
+        + then(None)
+        + f" : !has({sc}.capabilities.add) ? "
+        + then(f"JSONPatch{{op: 'add', path: {cap_at}/capabilities/add', value: [{ipc}]}}")
+        + f" : {ipc} in {sc}.capabilities.add ? "
+        + then(None)
+        + " : "
+        + then(f"JSONPatch{{op: 'add', path: {cap_at}/capabilities/add/-', value: {ipc}}}")
+        + ")"
+    )
+    return f"{resource_ops} + {capability_ops}"
+
+
+def active_expression() -> str:
+    """CEL: the general expression has a target container to inject into."""
+    return f"size({CONTAINERS}) > 0 && size(variables.targets) > 0"
 
 
 def _resource_ops(resource: str) -> str:
@@ -219,7 +333,7 @@ def _resource_ops(resource: str) -> str:
         f"[{request}, {limits}] : variables.res == 4 ? [{requests}, {limit}] : [{request}, {limit}]"
     )
     # A holder asking with a request only: the apiserver requires an equal limit.
-    req = f"variables.tcs[k].resources.requests[{r}]"
+    req = f"t.resources.requests[{r}]"
     holder_limits = (
         "variables.tcs.transformList(k, t, has(t.resources.requests) && "
         f"{r} in t.resources.requests && "
@@ -247,34 +361,43 @@ def _capability_ops() -> str:
     )
 
 
-def _env_ops() -> str:
-    """CEL: per target, the missing NCCL variables appended (one op creates `env`), and the
-    values a later-listed network set replaced by this network's."""
+def _env_ops(env: dict[str, str]) -> str:
+    """CEL: per target, the missing NCCL variables appended (one op creates `env`: a target
+    without env misses all of them, a literal), and the values a later-listed network set
+    replaced by this network's."""
+    values = cel_map(env)
     add = (
         "variables.tcs.transformList(k, t, size(variables.missing[k]) == 0 ? [] : "
         "!has(t.env) ? [JSONPatch{op: 'add', path: variables.paths[k] + '/env', "
-        "value: variables.missing[k].map(v, {'name': v, 'value': variables.env[v]})}] : "
+        f"value: {env_entries(env)}}}] : "
         "variables.missing[k].map(v, JSONPatch{op: 'add', path: variables.paths[k] + '/env/-', "
-        "value: {'name': v, 'value': variables.env[v]}})).flatten()"
+        f"value: {{'name': v, 'value': {values}[v]}}}})).flatten()"
     )
     replace = (
         "variables.tcs.transformList(k, t, variables.replaced[k].map(j, "
         "JSONPatch{op: 'replace', path: variables.paths[k] + '/env/' + string(j) + '/value', "
-        "value: variables.env[t.env[j].name]})).flatten()"
+        f"value: {values}[t.env[j].name]}})).flatten()"
     )
-    return f"{add} + {replace}"
+    # The common pod has no variable to replace: skip the second comprehension.
+    return f"{add} + (variables.replaced.all(x, size(x) == 0) ? [] : {replace})"
 
 
-def _record_op(network: str, resource: str) -> str:
-    """CEL: the record annotation, JSON (every value rendered is a safe literal)."""
+def _record_op(network: str, resource: str, env: dict[str, str]) -> str:
+    """CEL: the record annotation, JSON (every value rendered is a safe literal). Its env
+    member is a literal when no target had env of its own (all injected, none replaced)."""
     r = lit(resource)
+    values = cel_map(env)
+    computed = (
+        f"',\"env\":{{' + {cel_list(list(env))}.filter(v, "
+        "variables.missing.exists(m, v in m) || "
+        "variables.tcs.exists(k, t, variables.replaced[k].exists(j, t.env[j].name == v)))"
+        f".map(v, '\"' + v + '\":\"' + {values}[v] + '\"').join(',') + '}}}}'"
+    )
     parts = [
         "'{\"container\":\"' + variables.tcs[0].name + '\"'",
         f"(variables.res > 0 ? ',\"resources\":{{\"' + {r} + '\":\"1\"}}' : '')",
         "(variables.caps.exists(s, s > 0) ? ',\"capabilities\":[\"IPC_LOCK\"]' : '')",
-        "',\"env\":{' + variables.keys.filter(v, variables.missing.exists(m, v in m) || "
-        "variables.tcs.exists(k, t, variables.replaced[k].exists(j, t.env[j].name == v)))"
-        ".map(v, '\"' + v + '\":\"' + variables.env[v] + '\"').join(',') + '}}'",
+        f"(variables.tcs.all(t, !has(t.env)) ? {json_text(record_env(env) + '}')} : {computed})",
     ]
     value = " + ".join(parts)
     key = lit(record_key(network))
@@ -284,12 +407,23 @@ def _record_op(network: str, resource: str) -> str:
     )
 
 
-def pod_patch_expression(network: str, resource: str) -> str:
-    """The JSONPatch mutation (CEL): nothing unless `variables.active`; the record last."""
+def pod_patch_expression(network: str, resource: str, env: dict[str, str], forbidden: str) -> str:
+    """The JSONPatch mutation (CEL): nothing where the namespace forbids IPC_LOCK; the
+    usual pod's ops without per-container state (`single_container_ops`), else the
+    general ones when there is a target (`active_expression`); the record last."""
     ops = " + ".join(
-        [_resource_ops(resource), _capability_ops(), _env_ops(), _record_op(network, resource)]
+        [
+            _resource_ops(resource),
+            _capability_ops(),
+            _env_ops(env),
+            _record_op(network, resource, env),
+        ]
     )
-    return f"!variables.active ? [] : {ops}"
+    return (
+        f"({forbidden}) ? [] : ({single_container_expression(resource)}) ? "
+        f"{single_container_ops(network, resource, env)} : "
+        f"({active_expression()}) ? {ops} : []"
+    )
 
 
 def match_conditions(network: str) -> list[dict[str, str]]:
@@ -297,15 +431,20 @@ def match_conditions(network: str) -> list[dict[str, str]]:
     condition whose cheapest tests come first (CEL's && stops at the first false): it is
     evaluated for every pod created, and again when the apiserver reinvokes policies. The
     name test matches `<network>` between commas with spaces ignored; the chart's
-    ValidatingAdmissionPolicy refuses annotations that are not a list of names."""
+    ValidatingAdmissionPolicy refuses annotations that are not a list of names. Last, the
+    network (the binding's param) is not being deleted: one that waits on the operator's
+    cleanup finalizer while the operator is down keeps its policy (the garbage collector
+    waits for the owner to go), which then injects nothing, and the pod is refused as
+    naming no network."""
     ann = "object.metadata.annotations"
     nets = lit(c.NETWORKS_ANNOTATION)
     return [
         {
             "name": "names-this-network-not-injected-yet",
             "expression": f"has({ann}) && {nets} in {ann} && "
-            f"!({lit(record_key(network))} in {ann}) && "
-            f"(',' + {ann}[{nets}].replace(' ', '') + ',').contains({lit(',' + network + ',')})",
+            f"!({lit(record_key(network))} in {ann}) && ({ann}[{nets}] == {lit(network)} || "
+            f"(',' + {ann}[{nets}].replace(' ', '') + ',').contains({lit(',' + network + ',')}))"
+            " && !has(params.metadata.deletionTimestamp)",
         }
     ]
 
@@ -330,6 +469,8 @@ def render_pod_policy(network: MetaRoceNetwork, settings: RenderSettings) -> lis
         "spec": {
             "failurePolicy": "Fail",
             "reinvocationPolicy": "Never",
+            # The network itself, for its deletionTimestamp (`match_conditions`).
+            "paramKind": {"apiVersion": c.API_VERSION, "kind": c.NETWORK_KIND},
             "matchConstraints": {
                 "resourceRules": [
                     {
@@ -350,11 +491,13 @@ def render_pod_policy(network: MetaRoceNetwork, settings: RenderSettings) -> lis
                 },
             },
             "matchConditions": match_conditions(network.name),
-            "variables": pod_policy_variables(network.name, resource, env, forbidden),
+            "variables": pod_policy_variables(network.name, resource, env),
             "mutations": [
                 {
                     "patchType": "JSONPatch",
-                    "jsonPatch": {"expression": pod_patch_expression(network.name, resource)},
+                    "jsonPatch": {
+                        "expression": pod_patch_expression(network.name, resource, env, forbidden)
+                    },
                 }
             ],
         },
@@ -363,6 +506,11 @@ def render_pod_policy(network: MetaRoceNetwork, settings: RenderSettings) -> lis
         "apiVersion": ADMISSION_API,
         "kind": BINDING_KIND,
         "metadata": json.loads(json.dumps(meta)),
-        "spec": {"policyName": name},
+        "spec": {
+            "policyName": name,
+            # Allow: between the network's removal and the garbage collector's of this
+            # binding, a missing param skips the policy (Deny would refuse every pod).
+            "paramRef": {"name": network.name, "parameterNotFoundAction": "Allow"},
+        },
     }
     return [policy, binding]

@@ -26,7 +26,8 @@ def policy(env: OperatorEnv, network: str, kind: str = KINDS[0]) -> dict[str, An
 
 
 def env_literal(obj: dict[str, Any]) -> str:
-    return next(v["expression"] for v in obj["spec"]["variables"] if v["name"] == "env")
+    """The network's NCCL variables as the policy's mutation writes them (a literal)."""
+    return str(obj["spec"]["mutations"][0]["jsonPatch"]["expression"])
 
 
 def test_policy_mode_renders_updates_and_collects_the_pod_policy(env: OperatorEnv) -> None:
@@ -41,7 +42,7 @@ def test_policy_mode_renders_updates_and_collects_the_pod_policy(env: OperatorEn
         assert (ref["kind"], ref["uid"]) == (c.NETWORK_KIND, net["metadata"]["uid"])
         managers = {m["manager"] for m in obj["metadata"]["managedFields"]}
         assert managers == {c.FIELD_MANAGER}
-    assert "'NCCL_IB_TC': '104'" in env_literal(got)
+    assert "{'name': 'NCCL_IB_TC', 'value': '104'}" in env_literal(got)
 
     # A spec change the policy depends on is applied to it.
     env.cluster.kubectl(
@@ -54,7 +55,9 @@ def test_policy_mode_renders_updates_and_collects_the_pod_policy(env: OperatorEn
     )
     wait_for(
         "the policy to inject the new DSCP",
-        lambda: "'NCCL_IB_TC': '184'" in env_literal(policy(env, "polnet") or got),
+        lambda: (
+            "{'name': 'NCCL_IB_TC', 'value': '184'}" in env_literal(policy(env, "polnet") or got)
+        ),
     )
 
     # Deleted with the network (the garbage collector: owner references).

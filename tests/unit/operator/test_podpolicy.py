@@ -16,13 +16,19 @@ from metaroce_api import constants as c
 from metaroce_operator.cli import chart_arguments, settings_from_args
 from metaroce_operator.render import render_network
 from metaroce_operator.render.podpolicy import (
+    env_entries,
     forbidden_expression,
+    json_text,
     lit,
     match_conditions,
+    pod_patch_expression,
     pod_policy_variables,
     policy_name,
+    record_env,
     record_key,
     render_pod_policy,
+    single_container_expression,
+    single_container_ops,
 )
 from metaroce_operator.settings import RenderSettings, SettingsError
 
@@ -51,7 +57,10 @@ def test_policy_mode_renders_the_policy_and_binding_last_owned_by_the_network() 
         # agents' ClusterRole owns): a deleted network's pods must lose their policy at once.
         (ref,) = obj["metadata"]["ownerReferences"]
         assert (ref["kind"], ref["name"], ref["uid"]) == (c.NETWORK_KIND, "fabric", "uid-1")
-    assert binding["spec"] == {"policyName": "metaroce-pods-fabric"}
+    assert binding["spec"] == {
+        "policyName": "metaroce-pods-fabric",
+        "paramRef": {"name": "fabric", "parameterNotFoundAction": "Allow"},
+    }
     spec = policy["spec"]
     assert spec["failurePolicy"] == "Fail" and spec["reinvocationPolicy"] == "Never"
     rule = spec["matchConstraints"]["resourceRules"][0]
@@ -78,13 +87,24 @@ def test_the_network_s_values_are_literals_of_the_policy() -> None:
     )
     policy, _ = render_pod_policy(net, POLICY)
     variables = {v["name"]: v["expression"] for v in policy["spec"]["variables"]}
-    assert variables["env"] == (
-        "{'NCCL_IB_TC': '184', 'NCCL_SOCKET_IFNAME': 'eth1', 'NCCL_IB_GID_INDEX': '3'}"
-    )
-    assert variables["keys"] == "['NCCL_IB_TC', 'NCCL_SOCKET_IFNAME', 'NCCL_IB_GID_INDEX']"
+    values = "{'NCCL_IB_TC': '184', 'NCCL_SOCKET_IFNAME': 'eth1', 'NCCL_IB_GID_INDEX': '3'}"
+    keys = "['NCCL_IB_TC', 'NCCL_SOCKET_IFNAME', 'NCCL_IB_GID_INDEX']"
+    assert keys in variables["missing"] and values in variables["replaced"]
     assert "'example.com/fab' in c.resources.requests" in variables["holds"]
     patch = policy["spec"]["mutations"][0]["jsonPatch"]["expression"]
-    assert patch.startswith("!variables.active ? [] : ")
+    # Nothing unless the namespace allows IPC_LOCK and the pod has a target container.
+    assert patch.startswith("((has(namespaceObject.metadata.labels) && ")
+    assert "(size(object.spec.containers) > 0 && size(variables.targets) > 0) ? " in patch
+    # A container without env gets all of them as one literal, and the record says so.
+    entries = (
+        "[{'name': 'NCCL_IB_TC', 'value': '184'}, {'name': 'NCCL_SOCKET_IFNAME', "
+        "'value': 'eth1'}, {'name': 'NCCL_IB_GID_INDEX', 'value': '3'}]"
+    )
+    assert entries in patch
+    assert (
+        """',"env":{"NCCL_IB_TC":"184","NCCL_SOCKET_IFNAME":"eth1","NCCL_IB_GID_INDEX":"3"}}'"""
+        in patch
+    )
     assert "jsonpatch.escapeKey('example.com/fab')" in patch
     assert "jsonpatch.escapeKey('injected.metaroce.io/fabric')" in patch
 
@@ -101,10 +121,12 @@ def test_match_condition_selects_the_network_and_guards_reinvocation() -> None:
         < text.index("contains")
     )
     assert record_key("fabric") == "injected.metaroce.io/fabric"
+    # The network (the binding's param) being deleted: nothing injected.
+    assert text.endswith(" && !has(params.metadata.deletionTimestamp)")
 
 
 def test_variables_are_declared_before_use() -> None:
-    variables = pod_policy_variables("n", "metaroce.io/n", {"NCCL_IB_TC": "104"}, "false")
+    variables = pod_policy_variables("n", "metaroce.io/n", {"NCCL_IB_TC": "104"})
     seen: set[str] = set()
     for var in variables:
         used = {
@@ -151,3 +173,39 @@ def test_admission_mode_flag_and_chart_arguments() -> None:
         settings_from_args(["--admission-mode=both"])
     with pytest.raises(SettingsError, match="--pod-security-default='lax'"):
         settings_from_args(["--pod-security-default=lax"])
+
+
+def test_the_usual_pod_s_ops_read_no_variable() -> None:
+    """One container without env, not holding the resource: its branch reads no CEL
+    variable (each costs the apiserver a program evaluation per pod); the general
+    expression, with its per-container states, is the other branch."""
+    resource = "metaroce.io/fabric"
+    env = {"NCCL_IB_TC": "104", "NCCL_IB_TIMEOUT": "20"}
+    single = single_container_ops("fabric", resource, env)
+    assert "variables." not in single
+    assert "'/spec/containers/0/env', value: [{'name': 'NCCL_IB_TC', 'value': '104'}" in single
+    # The record names the capability only in the branches that add it.
+    assert single.count('"capabilities":["IPC_LOCK"]') == 4
+    assert single.count('"env":{"NCCL_IB_TC":"104","NCCL_IB_TIMEOUT":"20"}}') == 6
+    guard = single_container_expression(resource)
+    assert "!has(object.spec.initContainers) && size(object.spec.containers) == 1" in guard
+    assert "!has(object.spec.containers[0].env)" in guard
+    assert "'metaroce.io/fabric' in object.spec.containers[0].resources.limits" in guard
+    patch = pod_patch_expression("fabric", resource, env, "F")
+    assert patch.startswith(f"(F) ? [] : ({guard}) ? {single} : (")
+    # No env to inject: no env op, and the record says so.
+    assert "/env'" not in single_container_ops("fabric", resource, {})
+
+
+def test_literal_builders() -> None:
+    env = {"NCCL_IB_TC": "104", "NCCL_SOCKET_IFNAME": "eth0"}
+    assert env_entries(env) == (
+        "[{'name': 'NCCL_IB_TC', 'value': '104'}, {'name': 'NCCL_SOCKET_IFNAME', 'value': 'eth0'}]"
+    )
+    assert record_env(env) == ',"env":{"NCCL_IB_TC":"104","NCCL_SOCKET_IFNAME":"eth0"}'
+    assert record_env({}) == ',"env":{}'
+    assert json_text('{"a":"b"}') == """'{"a":"b"}'"""
+    with pytest.raises(ValueError, match="quotes"):
+        json_text("it's")
+    with pytest.raises(ValueError, match="unusual characters"):
+        record_env({"A": "x'y"})

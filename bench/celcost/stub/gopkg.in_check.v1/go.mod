@@ -1,0 +1,1 @@
+module gopkg.in/check.v1
