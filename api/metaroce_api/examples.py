@@ -46,6 +46,7 @@ def full_network(name: str = "example") -> dict[str, Any]:
                 "pciDeviceIds": ["0x101d", "0x1021"],
                 "drivers": ["mlx5_core"],
                 "rdmaDevices": ["mlx5_*"],
+                "allowPrimaryInterface": False,
             },
             "transport": {
                 "mode": "rocev2",

@@ -96,6 +96,10 @@ class NicSelector(ApiModel):
         Annotated[list[Glob], Field(min_length=1, max_length=32), ListType("set")] | None
     ) = None
     """RDMA device name globs, e.g. `mlx5_*`, `rxe*`."""
+    allow_primary_interface: bool = False
+    """Let the agent configure a selected NIC that carries the node's default route
+    (IPv4 or IPv6) or its Kubernetes InternalIP. Off: such a NIC fails the node with an
+    error naming it, since a wrong MTU or PFC class there can cut the node off."""
 
     cel_rules = (
         Rule(

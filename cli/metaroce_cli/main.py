@@ -12,29 +12,60 @@ from collections.abc import Sequence
 
 # subcommand words -> (module, function taking argv, help)
 COMMANDS: dict[tuple[str, ...], tuple[str, str, str]] = {
-    ("crds",): (
-        "metaroce_api.crdgen",
+    ("version",): (
+        "metaroce_cli.version",
         "main",
-        "generate (or --check) the CRDs from the API models",
+        "this CLI's version and, if the cluster answers, the operator's image",
     ),
+    ("inject",): (
+        "metaroce_cli.inject",
+        "main",
+        "--dry-run -f pod.yaml: the patch the pod webhook would apply",
+    ),
+    ("operator",): ("metaroce_operator.cli", "run_main", "run the operator"),
+    ("agent",): ("metaroce_agent.cli", "run_main", "run the node agent"),
+    ("doctor",): ("metaroce_agent.cli", "doctor_main", "check this node's RDMA setup"),
     ("render",): (
         "metaroce_operator.cli",
         "render_main",
         "print a network's child manifests offline",
     ),
-    ("operator",): ("metaroce_operator.cli", "run_main", "run the operator"),
-    ("agent",): ("metaroce_agent.cli", "run_main", "run the node agent"),
-    ("doctor",): ("metaroce_agent.cli", "doctor_main", "check this node's RDMA setup"),
+    ("crds",): (
+        "metaroce_api.crdgen",
+        "main",
+        "generate (or --check) the CRDs from the API models",
+    ),
     ("dev", "cluster"): ("metaroce_harness.cluster", "main", "local control plane (up, build)"),
     ("dev", "guests"): ("metaroce_harness.guests", "main", "SoftRoCE qemu guests (up)"),
 }
+DEVELOPER_COMMANDS = {("crds",), ("dev", "cluster"), ("dev", "guests")}
+"""Listed under their own heading: they need a source checkout, not a cluster."""
+
+
+def _lines(commands: Sequence[tuple[str, ...]]) -> list[str]:
+    return [f"  {' '.join(words):<14} {COMMANDS[words][2]}" for words in commands]
 
 
 def _usage() -> str:
-    lines = ["usage: metaroce COMMAND [ARGS...]", "", "commands:"]
-    for words, (_, _, help_text) in COMMANDS.items():
-        lines.append(f"  {' '.join(words):<14} {help_text}")
-    return "\n".join(lines)
+    user = [w for w in COMMANDS if w not in DEVELOPER_COMMANDS]
+    dev = [w for w in COMMANDS if w in DEVELOPER_COMMANDS]
+    return "\n".join(
+        [
+            "usage: metaroce COMMAND [ARGS...]",
+            "",
+            "commands:",
+            *_lines(user),
+            "",
+            "developer commands (a source checkout):",
+            *_lines(dev),
+        ]
+    )
+
+
+def _group_usage(prefix: str) -> str:
+    """The subcommands of a group word such as `dev`."""
+    sub = [w for w in COMMANDS if len(w) > 1 and w[0] == prefix]
+    return "\n".join([f"usage: metaroce {prefix} COMMAND [ARGS...]", "", "commands:", *_lines(sub)])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -46,6 +77,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help", "help"):
         print(_usage())
         return 0
+    groups = {w[0] for w in COMMANDS if len(w) > 1}
+    if args[0] in groups:
+        if len(args) == 1 or args[1] in ("-h", "--help", "help"):
+            print(_group_usage(args[0]))
+            return 0
+        print(
+            f"metaroce: unknown command {' '.join(args[:2])!r}\n\n{_group_usage(args[0])}",
+            file=sys.stderr,
+        )
+        return 2
     print(f"metaroce: unknown command {' '.join(args[:2])!r}\n\n{_usage()}", file=sys.stderr)
     return 2
 

@@ -15,6 +15,7 @@ from metaroce_agent.capabilities import Capabilities, probe_capabilities
 from metaroce_agent.discover import DiscoveryError, Inventory, discover
 from metaroce_agent.host import Host
 from metaroce_agent.plan import Plan, make_plan, select_netdevs
+from metaroce_agent.primary import primary_interfaces, read_primary_facts
 from metaroce_agent.qos import dcb as dcbq
 from metaroce_agent.qos.rocecm import RDMA_CM
 from metaroce_agent.qos.tcmark import FILTER_PREF, filters, marking_of
@@ -184,7 +185,9 @@ def examine(
     ex.qos = _read_qos(host, inv, netdevs, caps)
 
     if config is not None:
-        plan = make_plan(config, inv, caps)
+        # no apiserver here: the InternalIP is unknown, the default routes still count
+        primary = primary_interfaces(read_primary_facts(host, inv), inv.netdevs)
+        plan = make_plan(config, inv, caps, primary=primary)
         ex.plan = plan
         for issue in plan.errors:
             findings.append(

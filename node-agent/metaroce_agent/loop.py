@@ -42,6 +42,7 @@ from metaroce_agent.exporter import AgentMetrics, MetricsServer, RdmaCounterColl
 from metaroce_agent.host import Host
 from metaroce_agent.kube import METADATA_WATCH, KubeClient, KubeError, cluster_path
 from metaroce_agent.plan import Plan, make_plan, select_netdevs
+from metaroce_agent.primary import node_internal_ips, primary_interfaces, read_primary_facts
 from metaroce_agent.report import ErrorLog, NodeStateWriter, build_status, now
 from metaroce_api import AgentConfig, MetaRoceNodeStateStatus, ProbeSummary, constants
 from metaroce_api.base import parse_duration
@@ -236,6 +237,23 @@ class Agent:
             return []
         return sorted({(d.rdma_device, d.netdev) for d in plan.devices if d.rdma_device})
 
+    def _internal_ips(self) -> list[str]:
+        """The node's Kubernetes InternalIPs, for the primary-interface guard; empty when
+        the agent runs without the apiserver (the default-route check still holds)."""
+        if self.kube is None:
+            return []
+        try:
+            node = self.kube.get(f"/api/v1/nodes/{self.options.node_name}")
+        except KubeError as e:
+            log.warning(
+                "cannot read node %s (%s): the primary-interface guard checks the default "
+                "routes only",
+                self.options.node_name,
+                e,
+            )
+            return []
+        return node_internal_ips(node)
+
     @property
     def drift_seconds(self) -> float:
         return max(parse_duration(self.config.drift_interval).total_seconds(), 1.0)
@@ -289,7 +307,14 @@ class Agent:
             netdevs = [n.name for n in select_netdevs(self.config, inv)]
             st.caps = probe_capabilities(self.host, inv, netdevs)
             t["capabilities"] = time.monotonic()
-            st.plan = make_plan(self.config, inv, st.caps, skip_knobs=self.options.skip_knobs)
+            facts = read_primary_facts(self.host, inv, self._internal_ips())
+            st.plan = make_plan(
+                self.config,
+                inv,
+                st.caps,
+                skip_knobs=self.options.skip_knobs,
+                primary=primary_interfaces(facts, inv.netdevs),
+            )
             t["plan"] = time.monotonic()
             for note in st.plan.notes:
                 log.info("plan: %s", note)

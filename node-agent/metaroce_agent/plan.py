@@ -28,13 +28,14 @@ needs exists: MTU, transport (modules, rxe links), DCB, ECN, tc, rdma_cm configf
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 
 from metaroce_agent.capabilities import Capabilities
 from metaroce_agent.discover import Inventory, NetDevice
 from metaroce_agent.modules import ModuleStep
+from metaroce_agent.primary import primary_interface_errors
 from metaroce_agent.qos.dcb import DcbAppStep, DcbEtsStep, DcbPfcStep
 from metaroce_agent.qos.ecn import CnpStep, EcnStep
 from metaroce_agent.qos.mtu import MtuStep
@@ -163,8 +164,13 @@ def make_plan(
     caps: Capabilities,
     *,
     skip_knobs: Iterable[str] = (),
+    primary: Mapping[str, tuple[str, ...]] | None = None,
 ) -> Plan:
-    """The ordered steps that bring this node to the network's desired state."""
+    """The ordered steps that bring this node to the network's desired state.
+
+    `primary` maps the node's primary interfaces (default route, InternalIP) to why
+    (`primary.primary_interfaces`); selecting one without `nics.allowPrimaryInterface`
+    is a blocking error. None: the caller knows no such facts (fixture nodes)."""
     netdevs = select_netdevs(config, inventory)
     if not netdevs:
         return Plan(
@@ -179,6 +185,11 @@ def make_plan(
                 ),
             ),
         )
+    refused = primary_interface_errors(
+        netdevs, primary or {}, allowed=config.nics.allow_primary_interface
+    )
+    if refused:
+        return Plan(mode="none", netdevs=tuple(n.name for n in netdevs), errors=tuple(refused))
     driver, why, blocking = driver_for(config, inventory, netdevs)
     if driver is None:
         assert blocking is not None

@@ -137,7 +137,8 @@ def _network() -> str:
             "metadata": {"name": NETWORK},
             "spec": {
                 "nodeSelector": {"matchLabels": {LABEL: "true"}},
-                "nics": {"interfaceNames": ["eth0"]},
+                # eth0 holds the node's InternalIP (the guests' one L2 link): say so
+                "nics": {"interfaceNames": ["eth0"], "allowPrimaryInterface": True},
                 "transport": {"mode": "softroce"},
                 "qos": {"profile": "lossless", "data": {"dscp": DSCP}, "onUnsupported": "skip"},
                 "attachment": {"resourceName": RESOURCE, "podsPerDevice": 4},
