@@ -653,7 +653,8 @@ def _metaroce_network() -> str:
             "metadata": {"name": MR_NETWORK},
             "spec": {
                 "nodeSelector": {"matchLabels": {LABEL: "true"}},
-                "nics": {"interfaceNames": ["eth0"]},
+                # eth0 holds the node's InternalIP (the guests' one L2 link): say so
+                "nics": {"interfaceNames": ["eth0"], "allowPrimaryInterface": True},
                 "transport": {
                     "mode": "metaroce",
                     "metaroce": {
