@@ -479,14 +479,14 @@ impl Connection {
         self.last_activity = now;
         win.advance_floor(psn.wrapping_sub(floor_delta as u32));
         match win.on_packet(psn, ce) {
-            Arrival::New { gap } => {
+            Arrival::New { new_hole } => {
                 if ce {
                     out.counters.ce_rcvd += 1;
                 }
                 self.rwin_dirty[i] = true;
                 self.ack_pending = true;
                 self.ack_unacked += 1;
-                if gap {
+                if new_hole {
                     out.counters.gaps_seen += 1;
                     self.ack_urgent = true;
                 }

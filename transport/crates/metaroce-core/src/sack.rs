@@ -5,8 +5,11 @@ use crate::wire::{AckEntry, SACK_BITS};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Arrival {
-    /// First time this PSN is seen; `gap` is true when PSNs below it are missing.
-    New { gap: bool },
+    /// First time this PSN is seen. `new_hole`: it is above a PSN never seen that
+    /// no earlier arrival was above, so the sender learns of a loss it does not
+    /// know yet. Packets that arrive above a hole already reported are not news:
+    /// acknowledging each of them at once multiplied the ACKs under loss.
+    New { new_hole: bool },
     /// Seen before (the network duplicated it) or below the cumulative point.
     Duplicate,
     /// More than 256 ahead of the cumulative point: the sender broke its window.
@@ -22,6 +25,8 @@ pub struct RecvWindow {
     bits: [u64; 4],
     pub ce: u32,
     pub rcvd: u32,
+    /// One past the highest PSN seen (at least `cum`).
+    top: u32,
 }
 
 impl RecvWindow {
@@ -36,6 +41,12 @@ impl RecvWindow {
         }
         if d > SACK_BITS {
             return Arrival::BeyondWindow;
+        }
+        let top = if self.top.wrapping_sub(self.cum) < 1 << 31 { self.top } else { self.cum };
+        let ahead_of_top = psn.wrapping_sub(top);
+        let new_hole = ahead_of_top != 0 && ahead_of_top < 1 << 31;
+        if ahead_of_top < 1 << 31 {
+            self.top = psn.wrapping_add(1);
         }
         if d == 0 {
             self.cum = self.cum.wrapping_add(1);
@@ -57,7 +68,7 @@ impl RecvWindow {
         if ce {
             self.ce = self.ce.wrapping_add(1);
         }
-        Arrival::New { gap: self.has_gap() }
+        Arrival::New { new_hole }
     }
 
     /// The sender gave up the PSNs below `floor`: move the cumulative point there.
@@ -128,7 +139,7 @@ mod tests {
     fn in_order_advances_cum() {
         let mut w = RecvWindow::new(0);
         for psn in 0..10 {
-            assert_eq!(w.on_packet(psn, false), Arrival::New { gap: false });
+            assert_eq!(w.on_packet(psn, false), Arrival::New { new_hole: false });
         }
         assert_eq!(w.cum, 10);
         assert_eq!(w.on_packet(3, false), Arrival::Duplicate);
@@ -138,16 +149,30 @@ mod tests {
     fn gap_is_reported_and_filled() {
         let mut w = RecvWindow::new(0);
         w.on_packet(0, false);
-        assert_eq!(w.on_packet(2, false), Arrival::New { gap: true });
-        assert_eq!(w.on_packet(3, true), Arrival::New { gap: true });
+        assert_eq!(w.on_packet(2, false), Arrival::New { new_hole: true });
+        // Above the same hole: not news to the sender.
+        assert_eq!(w.on_packet(3, true), Arrival::New { new_hole: false });
         let e = w.entry(1);
         assert_eq!(e.cum, 1);
         assert_eq!(sacked(&e).collect::<Vec<_>>(), vec![2, 3]);
         assert_eq!(w.on_packet(2, false), Arrival::Duplicate);
-        assert_eq!(w.on_packet(1, false), Arrival::New { gap: false });
+        assert_eq!(w.on_packet(1, false), Arrival::New { new_hole: false });
         assert_eq!(w.cum, 4);
         assert_eq!(w.ce, 1);
         assert_eq!(sacked(&w.entry(1)).count(), 0);
+    }
+
+    #[test]
+    fn a_second_hole_above_the_first_is_news() {
+        let mut w = RecvWindow::new(0);
+        w.on_packet(0, false);
+        assert_eq!(w.on_packet(2, false), Arrival::New { new_hole: true });
+        assert_eq!(w.on_packet(3, false), Arrival::New { new_hole: false });
+        assert_eq!(w.on_packet(5, false), Arrival::New { new_hole: true });
+        // Filling below the top (a late original or a floor) is not a hole.
+        assert_eq!(w.on_packet(4, false), Arrival::New { new_hole: false });
+        w.advance_floor(10);
+        assert_eq!(w.on_packet(11, false), Arrival::New { new_hole: true });
     }
 
     #[test]
@@ -171,9 +196,9 @@ mod tests {
         let mut w = RecvWindow::new(0);
         w.cum = u32::MAX - 1;
         assert_eq!(w.on_packet((u32::MAX - 1).wrapping_add(257), false), Arrival::BeyondWindow);
-        assert_eq!(w.on_packet((u32::MAX - 1).wrapping_add(256), false), Arrival::New { gap: true });
+        assert_eq!(w.on_packet((u32::MAX - 1).wrapping_add(256), false), Arrival::New { new_hole: true });
         assert_eq!(sacked(&w.entry(0)).collect::<Vec<_>>(), vec![(u32::MAX - 1).wrapping_add(256)]);
-        assert_eq!(w.on_packet(u32::MAX - 1, false), Arrival::New { gap: true });
+        assert_eq!(w.on_packet(u32::MAX - 1, false), Arrival::New { new_hole: false });
         assert_eq!(w.cum, u32::MAX);
     }
 }
