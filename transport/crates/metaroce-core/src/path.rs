@@ -388,7 +388,7 @@ impl Path {
             let cc_before = self.timed_out.take().map_or_else(|| self.cc.clone(), |t| t.cc_before);
             self.timed_out = Some(TimedOut { lo: oldest.psn, hi: self.next_psn, oldest_sent_at: oldest.sent_at, cc_before });
         }
-        self.cc.on_timeout(now);
+        self.cc.on_timeout(now, self.backoff);
         self.backoff += 1;
         self.suspect_until = now + 8 * self.rtt.srtt.max(100);
         self.take_all_in_flight()

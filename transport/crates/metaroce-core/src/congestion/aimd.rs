@@ -1,5 +1,10 @@
 //! AIMD per path: slow start to the first congestion signal, then one MSS per
-//! RTT up; down by BETA_LOSS once per RTT on loss, DCTCP-style on the fraction
+//! RTT up; down one MSS per lost packet, at most to BETA_LOSS of the window in
+//! one RTT (so the cut follows the fraction lost, as DCTCP's follows the fraction
+//! marked: a fabric's random 1% costs a window of W packets about W/100 packets
+//! per RTT, where TCP's halving per loss event held the guests' 16 paths to
+//! 0.59 of their lossless goodput; an overflowing queue, which drops many
+//! packets of a window, still cuts by 1 - BETA_LOSS), DCTCP-style on the fraction
 //! of CE-marked packets (alpha, a moving average with gain 1/16), and, like
 //! Swift, in proportion to the delay above a target (where no switch marks CE,
 //! a growing queue still says so). Two delays are watched, as Swift splits
@@ -13,8 +18,8 @@ use crate::time::Micros;
 
 pub const INITIAL_WINDOW_PACKETS: u64 = 16;
 pub const MIN_WINDOW_PACKETS: u64 = 2;
-/// Loss is a weak congestion signal on a fabric that drops at random: back off
-/// less than TCP's 0.5 (CUBIC uses 0.7).
+/// Loss is a weak congestion signal on a fabric that drops at random: one RTT's
+/// losses take the window down to no less than this (CUBIC's 0.7).
 pub const BETA_LOSS: f64 = 0.7;
 pub const ALPHA_GAIN: f64 = 1.0 / 16.0;
 /// Default queueing delay a path may build before the window comes down.
@@ -32,8 +37,10 @@ pub struct Aimd {
     max_window: u64,
     cwnd: u64,
     ssthresh: u64,
-    /// Packets sent before this time do not cut the window again (one cut per RTT).
+    /// Losses of packets sent before this time belong to the current loss round.
     recovery_until: Micros,
+    /// The least window the current loss round may cut to (BETA_LOSS of its start).
+    round_floor: u64,
     alpha: f64,
     last_ce_cut: Micros,
     last_delay_cut: Micros,
@@ -49,6 +56,7 @@ impl Aimd {
             cwnd,
             ssthresh: u64::MAX,
             recovery_until: 0,
+            round_floor: 0,
             alpha: 0.0,
             last_ce_cut: 0,
             last_delay_cut: 0,
@@ -116,15 +124,26 @@ impl Controller for Aimd {
     }
 
     fn on_loss(&mut self, now: Micros, sent_at: Micros, srtt: Micros) {
-        if sent_at < self.recovery_until {
-            return;
+        if sent_at >= self.recovery_until {
+            // A new round: packets sent from now on that are lost count in the next.
+            self.recovery_until = now + srtt.max(1);
+            self.round_floor = ((self.cwnd as f64 * BETA_LOSS) as u64).max(self.min_window());
         }
-        self.recovery_until = now + srtt.max(1);
-        self.cwnd = ((self.cwnd as f64 * BETA_LOSS) as u64).max(self.min_window());
+        self.cwnd = self.cwnd.saturating_sub(self.mss).max(self.round_floor).max(self.min_window());
         self.ssthresh = self.cwnd;
     }
 
-    fn on_timeout(&mut self, _now: Micros) {
+    fn on_timeout(&mut self, now: Micros, consecutive: u32) {
+        if consecutive == 0 {
+            // One timeout is a lost tail (a lost probe or resend), not yet a dead path
+            // or a collapse: cut as one loss round does. The path's failure detection
+            // and the backed-off timeouts that follow handle a path that stays silent.
+            self.recovery_until = now;
+            self.round_floor = ((self.cwnd as f64 * BETA_LOSS) as u64).max(self.min_window());
+            self.cwnd = self.round_floor;
+            self.ssthresh = self.cwnd;
+            return;
+        }
         self.ssthresh = (self.cwnd / 2).max(self.min_window());
         self.cwnd = self.min_window();
     }
@@ -143,18 +162,48 @@ mod tests {
     }
 
     #[test]
-    fn slow_start_then_one_cut_per_rtt() {
+    fn each_loss_takes_one_mss_at_most_beta_per_round() {
         let mut c = Aimd::new(1000, 1 << 20);
         c.on_ack(0, 16_000, d(50, 50, 50, 50));
         assert_eq!(c.window(), 32_000);
         c.on_loss(1_000, 900, 100);
-        assert_eq!(c.window(), 22_400);
-        // A second loss of a packet sent before the cut does not cut again.
+        assert_eq!(c.window(), 31_000);
         c.on_loss(1_010, 950, 100);
+        assert_eq!(c.window(), 30_000);
+        // A burst (a queue overflowing) takes the round down to BETA_LOSS, no further.
+        for i in 0..20 {
+            c.on_loss(1_020 + i, 960, 100);
+        }
         assert_eq!(c.window(), 22_400);
         // Congestion avoidance: about one MSS per window acked.
         c.on_ack(1_200, 22_400, d(50, 50, 50, 50));
         assert_eq!(c.window(), 23_400);
+        // A loss of a packet sent after the round began opens a new round.
+        c.on_loss(1_300, 1_150, 100);
+        assert_eq!(c.window(), 22_400);
+    }
+
+    #[test]
+    fn one_percent_random_loss_leaves_a_window_of_about_a_hundred_packets() {
+        // One MSS up per RTT, one down per lost packet: at 1% the window settles
+        // where a round loses about one packet (TCP's halving settles near 12).
+        let mut c = Aimd::new(1000, 1 << 30);
+        c.on_loss(0, 0, 100); // leave slow start
+        let (mut now, mut sent) = (1_000u64, 0u64);
+        for _ in 0..20_000 {
+            let w = c.window() / 1000;
+            for _ in 0..w {
+                sent += 1;
+                if sent % 100 == 0 {
+                    c.on_loss(now, now - 100, 100);
+                } else {
+                    c.on_ack(now, 1000, d(50, 50, 50, 50));
+                }
+            }
+            now += 100;
+        }
+        let w = c.window() / 1000;
+        assert!((60..=200).contains(&w), "window {w} packets");
     }
 
     #[test]
@@ -194,9 +243,11 @@ mod tests {
     }
 
     #[test]
-    fn timeout_collapses_to_minimum() {
+    fn a_first_timeout_cuts_like_a_loss_round_and_a_second_collapses() {
         let mut c = Aimd::new(1000, 1 << 20);
-        c.on_timeout(5);
+        c.on_timeout(5, 0);
+        assert_eq!(c.window(), 11_200);
+        c.on_timeout(10, 1);
         assert_eq!(c.window(), 2_000);
         c.reset();
         assert_eq!(c.window(), 16_000);
