@@ -176,6 +176,10 @@ pub struct Connection {
     cap_tokens_at: Micros,
     rr: usize,
     last_progress: Micros,
+    /// Packets sent so far on all paths, and the send order of the newest one
+    /// any path has had acknowledged (see `Path::late_deadline`).
+    sent_order: u64,
+    newest_acked_order: u64,
     pub rotate_requests: Vec<u8>,
     // Receive side.
     rwin: Vec<Option<RecvWindow>>,
@@ -237,6 +241,8 @@ impl Connection {
             cap_tokens_at: now,
             rr: 0,
             last_progress: now,
+            sent_order: 0,
+            newest_acked_order: 0,
             rotate_requests: Vec::new(),
             rwin: vec![None; 256],
             rwin_dirty: vec![false; 256],
@@ -403,12 +409,18 @@ impl Connection {
             if i >= self.paths.len() || self.paths[i].epoch != e.epoch {
                 continue;
             }
-            let (ce_before, spurious_before) = (self.paths[i].ce_echoed, self.paths[i].spurious_rtos);
+            let p = &self.paths[i];
+            let (ce_before, spurious_before, late_before) = (p.ce_echoed, p.spurious_rtos, p.spurious_late);
             let outcome = self.paths[i].on_ack(now, e, 0, common);
-            out.counters.ce_echoed += self.paths[i].ce_echoed - ce_before;
-            out.counters.spurious_rtos += self.paths[i].spurious_rtos - spurious_before;
+            let p = &self.paths[i];
+            out.counters.ce_echoed += p.ce_echoed - ce_before;
+            out.counters.spurious_rtos += p.spurious_rtos - spurious_before;
+            out.counters.spurious_late_losses += p.spurious_late - late_before;
             if !outcome.acked.is_empty() {
                 self.last_progress = now;
+            }
+            if let Some(o) = outcome.newest_order {
+                self.newest_acked_order = self.newest_acked_order.max(o);
             }
             for f in outcome.acked {
                 self.on_frame_acked(f, i, out);
@@ -418,6 +430,21 @@ impl Connection {
             }
             for f in outcome.lost {
                 out.counters.sack_holes += 1;
+                if self.frame_needed(&f) && f != Frame::Ping {
+                    self.retx.push_back((f, i as u8));
+                }
+            }
+        }
+        self.take_late(now, out);
+    }
+
+    /// Requeue the packets other paths' ACKs show overdue (see `Path::late_after`).
+    fn take_late(&mut self, now: Micros, out: &mut Shared) {
+        let evidence = self.newest_acked_order;
+        let timers = &self.params.timers;
+        for i in 0..self.paths.len() {
+            for f in self.paths[i].take_late(timers, now, evidence) {
+                out.counters.late_losses += 1;
                 if self.frame_needed(&f) && f != Frame::Ping {
                     self.retx.push_back((f, i as u8));
                 }
@@ -727,6 +754,7 @@ impl Connection {
         if self.state != ConnState::Established {
             return;
         }
+        self.take_late(now, out);
         let timers = self.params.timers.clone();
         for i in 0..self.paths.len() {
             let p = &mut self.paths[i];
@@ -802,6 +830,9 @@ impl Connection {
         }
         let timers = &self.params.timers;
         for p in &self.paths {
+            if let Some(late) = p.late_deadline(timers, now, self.newest_acked_order) {
+                t = t.min(late);
+            }
             if let Some(oldest) = p.oldest_sent_at() {
                 t = t.min(oldest.max(p.last_ack_at) + p.rto(timers, now));
                 if p.tlp_armed && p.state == PathState::Active {
@@ -1138,7 +1169,8 @@ impl Connection {
         };
         let bytes = (payload.len() + wire::DATA_OVERHEAD) as u32;
         let p = &mut self.paths[path];
-        (d.psn, d.floor_delta) = p.on_sent(now, f, bytes, is_retx);
+        self.sent_order += 1;
+        (d.psn, d.floor_delta) = p.on_sent(now, f, bytes, is_retx, self.sent_order);
         let h = Header { ptype: PacketType::Data, flags: 0, path: path as u8, epoch: p.epoch, dst_token: self.peer_token };
         let n = wire::write_data(buf, &h, &d, payload.len(), |s| s.copy_from_slice(payload));
         out.counters.pkts_sent += 1;

@@ -19,6 +19,11 @@ pub struct Counters {
     /// Gaps this receiver saw in a path's sequence.
     pub gaps_seen: u64,
     pub ce_rcvd: u64,
+    /// Packets declared lost because a later one was acknowledged on another path
+    /// while they were overdue on theirs (tail losses no SACK gap shows).
+    pub late_losses: u64,
+    /// ACKs that showed a late declaration premature (the path then waits longer).
+    pub spurious_late_losses: u64,
     /// CE marks the peers echoed back to this sender.
     pub ce_echoed: u64,
     pub rtos: u64,
@@ -46,7 +51,7 @@ pub struct Counters {
 impl Counters {
     /// Every counter by name, in declaration order: what exporters and the stats
     /// file print, so a new counter shows up there without another edit.
-    pub fn fields(&self) -> [(&'static str, u64); 33] {
+    pub fn fields(&self) -> [(&'static str, u64); 35] {
         [
             ("pkts_sent", self.pkts_sent),
             ("pkts_rcvd", self.pkts_rcvd),
@@ -60,6 +65,8 @@ impl Counters {
             ("dup_rcvd", self.dup_rcvd),
             ("sack_holes", self.sack_holes),
             ("gaps_seen", self.gaps_seen),
+            ("late_losses", self.late_losses),
+            ("spurious_late_losses", self.spurious_late_losses),
             ("ce_rcvd", self.ce_rcvd),
             ("ce_echoed", self.ce_echoed),
             ("rtos", self.rtos),

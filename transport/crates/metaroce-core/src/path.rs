@@ -23,6 +23,8 @@ pub struct SentPacket {
     pub frame: Frame,
     pub bytes: u32,
     pub sent_at: Micros,
+    /// The connection's send order across all paths (see `late_deadline`).
+    pub order: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -107,12 +109,23 @@ struct TimedOut {
     cc_before: Aimd,
 }
 
+/// A packet declared late, kept until an ACK shows it arrived after all (or it ages out).
+#[derive(Clone, Copy, Debug)]
+struct LateDeclared {
+    psn: u32,
+    sent_at: Micros,
+    /// The path's next PSN when it was declared: no packet sent since, no floor moved.
+    next_psn: u32,
+}
+
 /// What an ACK entry did to a path.
 #[derive(Debug, Default)]
 pub struct AckOutcome {
     pub acked: Vec<Frame>,
     pub lost: Vec<Frame>,
     pub acked_bytes: u64,
+    /// The send order of the newest packet this entry acknowledged.
+    pub newest_order: Option<u64>,
 }
 
 #[derive(Debug)]
@@ -157,6 +170,12 @@ pub struct Path {
     rto_floor: Micros,
     rto_floor_at: Micros,
     pub spurious_rtos: u64,
+    /// Packets declared late, (PSN, sent at), until an ACK shows one arrived after all.
+    late_declared: VecDeque<LateDeclared>,
+    rtt_samples: u32,
+    late_floor: Micros,
+    late_floor_at: Micros,
+    pub spurious_late: u64,
     /// Delivery rate, bytes per microsecond (EWMA of samples about an RTT long).
     pub rate_est: f64,
     rate_sample_start: Micros,
@@ -170,6 +189,13 @@ pub const PACING_GAIN: f64 = 2.0;
 /// Weight lost per unit of CE fraction (alpha): 5% marking gives 0.25.
 pub const STEER_GAIN: f64 = 15.0;
 pub const STEER_MIN: f64 = 0.1;
+/// Added to srtt + 4 rttvar before a packet is overdue (see `late_after`): the
+/// receiver's ACK delay and a little scheduling noise.
+pub const LATE_SLACK: Micros = 200;
+/// RTT samples a path needs before `late_after` trusts its srtt and rttvar.
+const LATE_MIN_SAMPLES: u32 = 16;
+/// Late-declared packets remembered per path, to recognise spurious ones.
+const LATE_REMEMBERED: usize = 64;
 /// A suspect path is paced at this fraction of its rate.
 pub const SUSPECT_RATE_FACTOR: f64 = 0.25;
 
@@ -204,6 +230,12 @@ impl Path {
             rto_floor: 0,
             rto_floor_at: 0,
             spurious_rtos: 0,
+            late_declared: VecDeque::new(),
+
+            rtt_samples: 0,
+            late_floor: 0,
+            late_floor_at: 0,
+            spurious_late: 0,
             rate_est: 0.0,
             rate_sample_start: 0,
             rate_sample_bytes: 0,
@@ -277,11 +309,11 @@ impl Path {
 
     /// Record a packet as sent; returns its PSN and the distance back to the
     /// oldest PSN still awaited on this path (the receiver's floor).
-    pub fn on_sent(&mut self, now: Micros, frame: Frame, bytes: u32, is_retransmit: bool) -> (u32, u16) {
+    pub fn on_sent(&mut self, now: Micros, frame: Frame, bytes: u32, is_retransmit: bool, order: u64) -> (u32, u16) {
         let psn = self.next_psn;
         let floor_delta = self.in_flight.front().map_or(0, |p| psn.wrapping_sub(p.psn).min(u16::MAX as u32) as u16);
         self.next_psn = self.next_psn.wrapping_add(1);
-        self.in_flight.push_back(SentPacket { psn, frame, bytes, sent_at: now });
+        self.in_flight.push_back(SentPacket { psn, frame, bytes, sent_at: now, order });
         self.inflight_bytes += bytes as u64;
         self.tokens -= bytes as f64;
         self.last_send_at = now;
@@ -313,11 +345,13 @@ impl Path {
             entry.sack[(i / 8) as usize] >> (i % 8) & 1 == 1
         };
         let mut newest_acked: Option<Micros> = None;
+        let mut newest_order: Option<u64> = None;
         let mut keep = VecDeque::with_capacity(self.in_flight.len());
         for p in self.in_flight.drain(..) {
             if is_received(p.psn) {
                 out.acked_bytes += p.bytes as u64;
                 newest_acked = Some(newest_acked.map_or(p.sent_at, |t: Micros| t.max(p.sent_at)));
+                newest_order = Some(newest_order.map_or(p.order, |o: u64| o.max(p.order)));
                 out.acked.push(p.frame);
             } else if highest.wrapping_sub(p.psn) < 1 << 31 && highest != p.psn {
                 self.losses += 1;
@@ -330,9 +364,11 @@ impl Path {
         }
         self.in_flight = keep;
         self.inflight_bytes = self.in_flight.iter().map(|p| p.bytes as u64).sum();
+        out.newest_order = newest_order;
         if let Some(sent_at) = newest_acked {
             let sample = now.saturating_sub(sent_at).saturating_sub(ack_delay).max(1);
             self.rtt.update(sample);
+            self.rtt_samples = self.rtt_samples.saturating_add(1);
             self.backoff = 0;
             self.last_ack_at = now;
             self.recent_rtt.update(now, sample);
@@ -342,6 +378,7 @@ impl Path {
             self.sample_rate(now, out.acked_bytes);
             self.tlp_armed = !self.in_flight.is_empty();
         }
+        self.check_late_spurious(now, entry);
         // CE and received counts are cumulative: take the deltas.
         let ce = entry.ce.wrapping_sub(self.ce_seen);
         let rcvd = entry.rcvd.wrapping_sub(self.rcvd_seen);
@@ -437,6 +474,7 @@ impl Path {
         self.next_psn = 0;
         self.ce_seen = 0;
         self.rcvd_seen = 0;
+        self.late_declared.clear();
         self.backoff = 0;
         self.cc.reset();
         frames
@@ -450,5 +488,83 @@ impl Path {
 
     pub fn oldest_sent_at(&self) -> Option<Micros> {
         self.in_flight.front().map(|p| p.sent_at)
+    }
+
+    /// How long a packet may stay unacknowledged on this path once a packet sent
+    /// after it was acknowledged on another: the path's own srtt + 4 rttvar, and
+    /// at least what a spurious late loss taught (`late_floor`, as spurious
+    /// timeouts teach `rto_floor`: an ACK that waits behind the peer's own data
+    /// on a busy return link is later than the RTT samples say). No RTO floor: that guards
+    /// against stalls of the hosts, and a later packet acknowledged elsewhere
+    /// shows the hosts were not stalled. This finds a path's lost last packet,
+    /// where no later packet on the path opens a gap: a small message sprayed over
+    /// 16 paths puts a packet or two on each, so its every loss is such a tail,
+    /// which otherwise waited for the tail-loss probe.
+    pub fn late_after(&self, now: Micros) -> Option<Micros> {
+        if self.rtt_samples < LATE_MIN_SAMPLES {
+            return None; // rttvar starts at half the first sample: not yet a spread
+        }
+        let rtt = self.rtt.srtt + 4 * self.rtt.rttvar;
+        let halvings = (now.saturating_sub(self.late_floor_at) / SEC).min(63);
+        Some(rtt.max(self.late_floor >> halvings) + LATE_SLACK)
+    }
+
+    /// When the oldest packet in flight becomes overdue against `evidence` (the
+    /// send order of the newest packet the connection has seen acknowledged: an
+    /// order, not a time, as a burst leaves within one microsecond). Only
+    /// on a path that answers: one silent for an RTO is the timeout's to handle
+    /// (it counts towards the path's failure).
+    pub fn late_deadline(&self, t: &PathTimers, now: Micros, evidence: u64) -> Option<Micros> {
+        let p = self.in_flight.front()?;
+        if p.order >= evidence || self.state != PathState::Active || now >= self.last_ack_at + self.rto(t, now) {
+            return None;
+        }
+        Some(p.sent_at + self.late_after(now)?)
+    }
+
+    /// Whether `entry` shows a packet declared late as received after all: a SACK
+    /// bit, or the cumulative point past it while no packet was sent on the path
+    /// since (a later packet's floor moves the cumulative point past a packet
+    /// given up on too, so that alone is no proof). Then the declaration was
+    /// premature: wait at least a quarter longer than that packet took.
+    fn check_late_spurious(&mut self, now: Micros, entry: &AckEntry) {
+        let next_psn = self.next_psn;
+        let proven = |d: &LateDeclared| {
+            let ahead = d.psn.wrapping_sub(entry.cum);
+            if ahead >= 1 << 31 {
+                return d.next_psn == next_psn; // below the cumulative point
+            }
+            ahead != 0 && ahead <= SACK_BITS && entry.sack[((ahead - 1) / 8) as usize] >> ((ahead - 1) % 8) & 1 == 1
+        };
+        let Some(took) = self.late_declared.iter().filter(|d| proven(d)).map(|d| now.saturating_sub(d.sent_at)).max() else {
+            return;
+        };
+        self.late_declared.retain(|d| !proven(d));
+        self.spurious_late += 1;
+        self.late_floor = self.late_floor.max(took + took / 4);
+        self.late_floor_at = now;
+    }
+
+    /// Declare the overdue packets lost (oldest first: a path is FIFO).
+    pub fn take_late(&mut self, t: &PathTimers, now: Micros, evidence: u64) -> Vec<Frame> {
+        let mut lost = Vec::new();
+        while let Some(deadline) = self.late_deadline(t, now, evidence) {
+            if now < deadline {
+                break;
+            }
+            let p = self.in_flight.pop_front().expect("a deadline has a packet");
+            self.inflight_bytes -= p.bytes as u64;
+            while self.late_declared.len() >= LATE_REMEMBERED
+                || self.late_declared.front().is_some_and(|d| now.saturating_sub(d.sent_at) > SEC)
+            {
+                self.late_declared.pop_front();
+            }
+            self.late_declared.push_back(LateDeclared { psn: p.psn, sent_at: p.sent_at, next_psn: self.next_psn });
+            self.losses += 1;
+            self.cc.on_loss(now, p.sent_at, self.rtt.srtt);
+            self.suspect_until = now + 8 * self.rtt.srtt.max(100);
+            lost.push(p.frame);
+        }
+        lost
     }
 }
