@@ -12,19 +12,24 @@ Unit tests only: the agent itself always uses the real runner.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import select
 import shlex
 import shutil
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from metaroce_agent.host import CommandError, CommandResult, CommandRunner, Host, HostError
+from metaroce_agent.loop import Agent, AgentOptions
 from metaroce_agent.probe import Local
+from metaroce_api import AgentConfig
 
 ZERO = "0000:0000:0000:0000:0000:0000:0000:0000"
 
@@ -787,3 +792,41 @@ class SilentEndpoint:
     def rc_send(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+# --- a whole agent over a fake node, its loop in a thread --------------------------------
+
+
+def until(check: Callable[[], bool], seconds: float) -> bool:
+    """Whether `check` holds within `seconds` (asked every 50 ms, and once at the end)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.05)
+    return check()
+
+
+def fixture_agent(
+    tmp_path: Path, tree: SysfsTree, kernel: FakeKernel, config: AgentConfig, **options: Any
+) -> Agent:
+    """An `Agent` over the fake node (`tree`, `kernel`) with `config` written where the
+    agent reads it; node-1, no NodeState reports, no metrics server unless `options`
+    (AgentOptions fields) say otherwise."""
+    path = tmp_path / "agent.yaml"
+    path.write_text(config.to_yaml())
+    defaults: dict[str, Any] = {"node_name": "node-1", "report": False, "metrics_port": None}
+    opts = AgentOptions(config_path=path, **{**defaults, **options})
+    return Agent(opts, host=FixtureHost(tree.root, runner=kernel))
+
+
+@contextlib.contextmanager
+def running(agent: Agent) -> Iterator[Agent]:
+    """The agent's loop in a thread for the `with` block; stopped and joined after."""
+    t = threading.Thread(target=agent.run, daemon=True)
+    t.start()
+    try:
+        yield agent
+    finally:
+        agent.stop()
+        t.join(10)
