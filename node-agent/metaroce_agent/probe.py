@@ -14,8 +14,10 @@ session:
    RDMA device and answer with its own MACed hello, which the client checks;
 2. RC: the client sends small messages, the server echoes each: round-trip times give
    reachability and latency percentiles (RC retransmits, so it hides loss);
-3. UD: the client sends a burst of datagrams, the server counts what arrived; the
-   count over TCP gives the loss fraction (UD does not retransmit);
+3. UD: the client sends a burst of datagrams and says how many, the server counts what
+   arrives (asleep on its completion channel until all did or none has for
+   COUNT_QUIET_SECONDS); the count over TCP gives the loss fraction (UD does not
+   retransmit);
 4. both sides destroy the queue pairs. Idle, the server only blocks in `accept()`.
 
 The server runs each session in a thread of its own, at most MAX_SESSIONS at once (the
@@ -87,6 +89,15 @@ MAX_SESSIONS = 8
 """Probe sessions served at once (each holds a PD, two CQs and two QPs)."""
 SESSION_SECONDS = 30.0
 """A session's whole life, hello to bye: a client probe takes about a second."""
+COUNT_QUIET_SECONDS = 0.5
+"""Asked for its UD count, the server waits until as many datagrams as the client sent
+have completed, or none has for this long: late completions (a loaded or emulated node)
+are counted, and a lost datagram costs this much wait, not a fixed nap on every probe."""
+COUNT_MAX_SECONDS = 3.0
+"""The longest a count waits, whatever trickles in."""
+COUNT_SENT = "count-sent"
+"""The server's feature (in its challenge) of counting until the client's `sent`;
+without it (an agent from before) the client naps 0.2 s before asking, as it used to."""
 
 
 @dataclass(frozen=True)
@@ -382,7 +393,7 @@ class ProbeServer:
         f = conn.makefile("r")
         server_nonce = new_nonce()
         keys = key_set(self.key())
-        challenge: dict[str, Any] = {"v": 2, "nonce": server_nonce}
+        challenge: dict[str, Any] = {"v": 2, "nonce": server_nonce, "features": [COUNT_SENT]}
         if keys:
             challenge["kids"] = [key_id(k) for k in keys]
         _send(conn, challenge)
@@ -451,9 +462,9 @@ class ProbeServer:
                     line, buf = buf.split(b"\n", 1)
                     msg = json.loads(line)
                     if msg.get("op") == "count":
-                        for opcode, status in ep.poll(ep.ud_cq, 256):
-                            if opcode == ep.e.IBV_WC_RECV and status == ep.e.IBV_WC_SUCCESS:
-                                received += 1
+                        sent = msg.get("sent")
+                        received = _count_ud(ep, received, sent if isinstance(sent, int) else None,
+                                             deadline)  # fmt: skip
                         conn.settimeout(max(0.1, min(5.0, deadline - time.monotonic())))
                         _send(conn, signed("count", {"ud_received": received}))
                         conn.setblocking(False)
@@ -535,8 +546,11 @@ def probe_peer(
                 _send(conn, {"op": "bye"})
                 return failed("no RC echo within 1 s")
             sent = _ud_burst(ep)
-            time.sleep(0.2)
-            _send(conn, {"op": "count"})
+            if COUNT_SENT in (challenge.get("features") or ()):
+                _send(conn, {"op": "count", "sent": sent})  # it waits for them
+            else:  # an older server counts at once: give the datagrams time to land
+                time.sleep(0.2)
+                _send(conn, {"op": "count"})
             counted = _recv(f)
             if not authentic("count", counted):
                 return PeerResult(
@@ -556,6 +570,26 @@ def probe_peer(
         finally:
             if ep is not None:
                 ep.close()
+
+
+def _count_ud(ep: Any, received: int, sent: int | None, deadline: float) -> int:
+    """`received` plus the UD datagrams completing now: until `sent` have arrived (the
+    client's count; None: whatever comes), none for COUNT_QUIET_SECONDS, COUNT_MAX_SECONDS
+    or the session's deadline; asleep on the completion channel in between."""
+    e = ep.e
+    now = time.monotonic()
+    end = min(deadline, now + COUNT_MAX_SECONDS)
+    quiet = now + COUNT_QUIET_SECONDS
+    while True:
+        for opcode, status in ep.poll(ep.ud_cq, 256):
+            if opcode == e.IBV_WC_RECV and status == e.IBV_WC_SUCCESS:
+                received += 1
+                ep.post_ud_recv(1)
+                quiet = time.monotonic() + COUNT_QUIET_SECONDS
+        left = min(end, quiet) - time.monotonic()
+        if (sent is not None and received >= sent) or left <= 0:
+            return received
+        ep.wait(left)
 
 
 def _rc_pings(ep: Any) -> list[float]:
