@@ -29,10 +29,12 @@ unauthenticated and the agent says so at start.
 
 Latencies and loss go to metrics every round; the verdict stands on samples kept per peer
 across rounds (a p99 over LATENCY_SAMPLES RTTs, loss by a Wilson bound over up to
-LOSS_WINDOW datagrams, with hysteresis), and each peer's message says how many. The
-NodeState's probe summary is replaced only when the verdict (healthy, and each peer's
-pass/fail) changes. The operator, not
-the agent, decides taints from these summaries. Needs pyverbs (guests, agent image).
+LOSS_WINDOW datagrams, with hysteresis), and each peer's entry says how many
+(`latencySamples`, `lossDatagrams`, and the message). The NodeState's probe summary is
+replaced only when the verdict changes: healthy, each peer's pass/fail, and whether its
+figures stand on enough samples yet (once per peer, so a healthy node's figures reach the
+NodeState once they are stated). The operator, not the agent, decides taints from these
+summaries. Needs pyverbs (guests, agent image).
 """
 
 from __future__ import annotations
@@ -743,11 +745,28 @@ class PeerHistory:
         return self.loss_failing, lo, hi
 
 
-def _judge(
-    r: PeerResult, h: PeerHistory, max_latency_us: float, max_loss: float
-) -> tuple[bool, str, float | None, float | None, float | None]:
-    """One rail's (ok, message, p50, p99, loss) after adding its samples to `h`; p99 and
-    loss are None until enough samples stand behind them (the operator judges them)."""
+@dataclass(frozen=True)
+class RailVerdict:
+    """One rail's verdict on all its samples so far."""
+
+    ok: bool
+    message: str
+    p50: float | None
+    p99: float | None
+    """None until LATENCY_SAMPLES RTTs stand behind it (the operator judges it)."""
+    loss: float | None
+    """None until MIN_LOSS_DATAGRAMS datagrams stand behind it."""
+    rtts: int
+    datagrams: int
+
+    @property
+    def judged(self) -> bool:
+        """Whether both figures stand on enough samples to be stated."""
+        return self.p99 is not None and self.loss is not None
+
+
+def _judge(r: PeerResult, h: PeerHistory, max_latency_us: float, max_loss: float) -> RailVerdict:
+    """One rail's verdict after adding its samples to `h`."""
     h.add(r)
     rtts = list(h.rtts)
     p99 = _percentile(rtts, 0.99)
@@ -767,7 +786,7 @@ def _judge(
             msg = "failing: " + msg
     stated_p99 = p99 if len(rtts) >= LATENCY_SAMPLES else None
     loss = (lost / sent) if sent >= MIN_LOSS_DATAGRAMS else None
-    return ok, msg, _percentile(rtts, 0.5), stated_p99, loss
+    return RailVerdict(ok, msg, _percentile(rtts, 0.5), stated_p99, loss, len(rtts), sent)
 
 
 def _worst(values: list[float | None]) -> float | None:
@@ -781,11 +800,12 @@ def summarize(
     max_loss: float,
     history: dict[str, PeerHistory] | None = None,
 ) -> tuple[ProbeSummary, tuple[Any, ...]]:
-    """The summary and its verdict key (what must change for the NodeState to change).
+    """The summary and its verdict key (what must change for the NodeState to change:
+    healthy, each peer's pass/fail, and whether its figures stand on enough samples yet).
     `history` (per peer and rail, kept by the caller across rounds) gets this round's
-    samples; a verdict stands on all of them, and its message says how many. Several
-    results for one node are its rails: one entry, failing when any rail fails, with the
-    worst rail's numbers and every rail's message."""
+    samples; a verdict stands on all of them, and its entry says how many (the fewest of
+    any rail). Several results for one node are its rails: one entry, failing when any
+    rail fails, with the worst rail's numbers and every rail's message."""
     history = {} if history is None else history
     by_node: dict[str, list[PeerResult]] = {}
     for r in results:
@@ -793,28 +813,30 @@ def summarize(
     peers = []
     verdicts = []
     for node, rails in by_node.items():
-        judged = []
+        judged: list[tuple[PeerResult, RailVerdict]] = []
         for r in rails:
             key = f"{node}/{r.device}" if r.device else node
-            judged.append((r, _judge(r, history.setdefault(key, PeerHistory()), max_latency_us,
-                                     max_loss)))  # fmt: skip
-        ok = all(j[0] for _, j in judged)
+            v = _judge(r, history.setdefault(key, PeerHistory()), max_latency_us, max_loss)
+            judged.append((r, v))
+        ok = all(v.ok for _, v in judged)
         if len(judged) == 1:
-            message = judged[0][1][1]
+            message = judged[0][1].message
         else:
-            message = "; ".join(f"{r.device}: {j[1]}" for r, j in judged)
+            message = "; ".join(f"{r.device}: {v.message}" for r, v in judged)
         peers.append(
             ProbePeer(
                 node=node,
                 reachable=all(r.reachable for r in rails),
-                latency_p50_microseconds=_worst([j[2] for _, j in judged]),
-                latency_p99_microseconds=_worst([j[3] for _, j in judged]),
-                loss_fraction=_worst([j[4] for _, j in judged]),
+                latency_p50_microseconds=_worst([v.p50 for _, v in judged]),
+                latency_p99_microseconds=_worst([v.p99 for _, v in judged]),
+                loss_fraction=_worst([v.loss for _, v in judged]),
+                latency_samples=min(v.rtts for _, v in judged),
+                loss_datagrams=min(v.datagrams for _, v in judged),
                 message=message[:1024],
             )
         )
-        verdicts.append((node, ok))
-    healthy = all(ok for _, ok in verdicts) if verdicts else None
+        verdicts.append((node, ok, all(v.judged for _, v in judged)))
+    healthy = all(ok for _, ok, _ in verdicts) if verdicts else None
     summary = ProbeSummary(healthy=healthy, last_run_time=now(), peers=peers or None)
     return summary, (healthy, tuple(sorted(verdicts)))
 
