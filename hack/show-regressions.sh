@@ -20,6 +20,7 @@ tests=(
   tests/unit/agent/test_agent_probe_endpoint.py  # finding 9: no 0.0.0.0 endpoint, republished, IPv6
   tests/unit/agent/test_agent_probe_auth.py   # finding 7 (auth): HMAC with nonces, both ways
   tests/unit/agent/test_agent_probe_stats.py  # finding 8: enough samples, Wilson bound, hysteresis
+  tests/unit/agent/test_agent_probe_count.py  # finding 8: the UD count waits on completions
   tests/unit/agent/test_agent_probe_peers.py  # finding 10: metadata-only peer index, watched
   tests/unit/agent/test_agent_probe_rails.py  # finding 10: every served device probed
   tests/unit/agent/test_agent_rxe_users.py    # finding 12: rxe users seen without hostPID

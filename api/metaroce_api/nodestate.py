@@ -142,6 +142,12 @@ class ProbePeer(StatusModel):
     latency_p50_microseconds: Annotated[float, Field(ge=0)] | None = None
     latency_p99_microseconds: Annotated[float, Field(ge=0)] | None = None
     loss_fraction: Fraction | None = None
+    latency_samples: Annotated[int, Field(ge=0)] | None = None
+    """RTTs behind the latency verdict (kept across rounds; the p99 is stated and judged
+    from 1000); with several rails, the fewest of any rail."""
+    loss_datagrams: Annotated[int, Field(ge=0)] | None = None
+    """UD datagrams behind the loss verdict (kept across rounds; the fraction is stated
+    from 2000); with several rails, the fewest of any rail."""
     message: ShortText = ""
 
 

@@ -14,8 +14,10 @@ session:
    RDMA device and answer with its own MACed hello, which the client checks;
 2. RC: the client sends small messages, the server echoes each: round-trip times give
    reachability and latency percentiles (RC retransmits, so it hides loss);
-3. UD: the client sends a burst of datagrams, the server counts what arrived; the
-   count over TCP gives the loss fraction (UD does not retransmit);
+3. UD: the client sends a burst of datagrams and says how many, the server counts what
+   arrives (asleep on its completion channel until all did or none has for
+   COUNT_QUIET_SECONDS); the count over TCP gives the loss fraction (UD does not
+   retransmit);
 4. both sides destroy the queue pairs. Idle, the server only blocks in `accept()`.
 
 The server runs each session in a thread of its own, at most MAX_SESSIONS at once (the
@@ -27,10 +29,12 @@ unauthenticated and the agent says so at start.
 
 Latencies and loss go to metrics every round; the verdict stands on samples kept per peer
 across rounds (a p99 over LATENCY_SAMPLES RTTs, loss by a Wilson bound over up to
-LOSS_WINDOW datagrams, with hysteresis), and each peer's message says how many. The
-NodeState's probe summary is replaced only when the verdict (healthy, and each peer's
-pass/fail) changes. The operator, not
-the agent, decides taints from these summaries. Needs pyverbs (guests, agent image).
+LOSS_WINDOW datagrams, with hysteresis), and each peer's entry says how many
+(`latencySamples`, `lossDatagrams`, and the message). The NodeState's probe summary is
+replaced only when the verdict changes: healthy, each peer's pass/fail, and whether its
+figures stand on enough samples yet (once per peer, so a healthy node's figures reach the
+NodeState once they are stated). The operator, not the agent, decides taints from these
+summaries. Needs pyverbs (guests, agent image).
 """
 
 from __future__ import annotations
@@ -87,6 +91,15 @@ MAX_SESSIONS = 8
 """Probe sessions served at once (each holds a PD, two CQs and two QPs)."""
 SESSION_SECONDS = 30.0
 """A session's whole life, hello to bye: a client probe takes about a second."""
+COUNT_QUIET_SECONDS = 0.5
+"""Asked for its UD count, the server waits until as many datagrams as the client sent
+have completed, or none has for this long: late completions (a loaded or emulated node)
+are counted, and a lost datagram costs this much wait, not a fixed nap on every probe."""
+COUNT_MAX_SECONDS = 3.0
+"""The longest a count waits, whatever trickles in."""
+COUNT_SENT = "count-sent"
+"""The server's feature (in its challenge) of counting until the client's `sent`;
+without it (an agent from before) the client naps 0.2 s before asking, as it used to."""
 
 
 @dataclass(frozen=True)
@@ -382,7 +395,7 @@ class ProbeServer:
         f = conn.makefile("r")
         server_nonce = new_nonce()
         keys = key_set(self.key())
-        challenge: dict[str, Any] = {"v": 2, "nonce": server_nonce}
+        challenge: dict[str, Any] = {"v": 2, "nonce": server_nonce, "features": [COUNT_SENT]}
         if keys:
             challenge["kids"] = [key_id(k) for k in keys]
         _send(conn, challenge)
@@ -451,9 +464,9 @@ class ProbeServer:
                     line, buf = buf.split(b"\n", 1)
                     msg = json.loads(line)
                     if msg.get("op") == "count":
-                        for opcode, status in ep.poll(ep.ud_cq, 256):
-                            if opcode == ep.e.IBV_WC_RECV and status == ep.e.IBV_WC_SUCCESS:
-                                received += 1
+                        sent = msg.get("sent")
+                        received = _count_ud(ep, received, sent if isinstance(sent, int) else None,
+                                             deadline)  # fmt: skip
                         conn.settimeout(max(0.1, min(5.0, deadline - time.monotonic())))
                         _send(conn, signed("count", {"ud_received": received}))
                         conn.setblocking(False)
@@ -535,8 +548,11 @@ def probe_peer(
                 _send(conn, {"op": "bye"})
                 return failed("no RC echo within 1 s")
             sent = _ud_burst(ep)
-            time.sleep(0.2)
-            _send(conn, {"op": "count"})
+            if COUNT_SENT in (challenge.get("features") or ()):
+                _send(conn, {"op": "count", "sent": sent})  # it waits for them
+            else:  # an older server counts at once: give the datagrams time to land
+                time.sleep(0.2)
+                _send(conn, {"op": "count"})
             counted = _recv(f)
             if not authentic("count", counted):
                 return PeerResult(
@@ -556,6 +572,26 @@ def probe_peer(
         finally:
             if ep is not None:
                 ep.close()
+
+
+def _count_ud(ep: Any, received: int, sent: int | None, deadline: float) -> int:
+    """`received` plus the UD datagrams completing now: until `sent` have arrived (the
+    client's count; None: whatever comes), none for COUNT_QUIET_SECONDS, COUNT_MAX_SECONDS
+    or the session's deadline; asleep on the completion channel in between."""
+    e = ep.e
+    now = time.monotonic()
+    end = min(deadline, now + COUNT_MAX_SECONDS)
+    quiet = now + COUNT_QUIET_SECONDS
+    while True:
+        for opcode, status in ep.poll(ep.ud_cq, 256):
+            if opcode == e.IBV_WC_RECV and status == e.IBV_WC_SUCCESS:
+                received += 1
+                ep.post_ud_recv(1)
+                quiet = time.monotonic() + COUNT_QUIET_SECONDS
+        left = min(end, quiet) - time.monotonic()
+        if (sent is not None and received >= sent) or left <= 0:
+            return received
+        ep.wait(left)
 
 
 def _rc_pings(ep: Any) -> list[float]:
@@ -709,11 +745,28 @@ class PeerHistory:
         return self.loss_failing, lo, hi
 
 
-def _judge(
-    r: PeerResult, h: PeerHistory, max_latency_us: float, max_loss: float
-) -> tuple[bool, str, float | None, float | None, float | None]:
-    """One rail's (ok, message, p50, p99, loss) after adding its samples to `h`; p99 and
-    loss are None until enough samples stand behind them (the operator judges them)."""
+@dataclass(frozen=True)
+class RailVerdict:
+    """One rail's verdict on all its samples so far."""
+
+    ok: bool
+    message: str
+    p50: float | None
+    p99: float | None
+    """None until LATENCY_SAMPLES RTTs stand behind it (the operator judges it)."""
+    loss: float | None
+    """None until MIN_LOSS_DATAGRAMS datagrams stand behind it."""
+    rtts: int
+    datagrams: int
+
+    @property
+    def judged(self) -> bool:
+        """Whether both figures stand on enough samples to be stated."""
+        return self.p99 is not None and self.loss is not None
+
+
+def _judge(r: PeerResult, h: PeerHistory, max_latency_us: float, max_loss: float) -> RailVerdict:
+    """One rail's verdict after adding its samples to `h`."""
     h.add(r)
     rtts = list(h.rtts)
     p99 = _percentile(rtts, 0.99)
@@ -733,7 +786,7 @@ def _judge(
             msg = "failing: " + msg
     stated_p99 = p99 if len(rtts) >= LATENCY_SAMPLES else None
     loss = (lost / sent) if sent >= MIN_LOSS_DATAGRAMS else None
-    return ok, msg, _percentile(rtts, 0.5), stated_p99, loss
+    return RailVerdict(ok, msg, _percentile(rtts, 0.5), stated_p99, loss, len(rtts), sent)
 
 
 def _worst(values: list[float | None]) -> float | None:
@@ -747,11 +800,12 @@ def summarize(
     max_loss: float,
     history: dict[str, PeerHistory] | None = None,
 ) -> tuple[ProbeSummary, tuple[Any, ...]]:
-    """The summary and its verdict key (what must change for the NodeState to change).
+    """The summary and its verdict key (what must change for the NodeState to change:
+    healthy, each peer's pass/fail, and whether its figures stand on enough samples yet).
     `history` (per peer and rail, kept by the caller across rounds) gets this round's
-    samples; a verdict stands on all of them, and its message says how many. Several
-    results for one node are its rails: one entry, failing when any rail fails, with the
-    worst rail's numbers and every rail's message."""
+    samples; a verdict stands on all of them, and its entry says how many (the fewest of
+    any rail). Several results for one node are its rails: one entry, failing when any
+    rail fails, with the worst rail's numbers and every rail's message."""
     history = {} if history is None else history
     by_node: dict[str, list[PeerResult]] = {}
     for r in results:
@@ -759,28 +813,30 @@ def summarize(
     peers = []
     verdicts = []
     for node, rails in by_node.items():
-        judged = []
+        judged: list[tuple[PeerResult, RailVerdict]] = []
         for r in rails:
             key = f"{node}/{r.device}" if r.device else node
-            judged.append((r, _judge(r, history.setdefault(key, PeerHistory()), max_latency_us,
-                                     max_loss)))  # fmt: skip
-        ok = all(j[0] for _, j in judged)
+            v = _judge(r, history.setdefault(key, PeerHistory()), max_latency_us, max_loss)
+            judged.append((r, v))
+        ok = all(v.ok for _, v in judged)
         if len(judged) == 1:
-            message = judged[0][1][1]
+            message = judged[0][1].message
         else:
-            message = "; ".join(f"{r.device}: {j[1]}" for r, j in judged)
+            message = "; ".join(f"{r.device}: {v.message}" for r, v in judged)
         peers.append(
             ProbePeer(
                 node=node,
                 reachable=all(r.reachable for r in rails),
-                latency_p50_microseconds=_worst([j[2] for _, j in judged]),
-                latency_p99_microseconds=_worst([j[3] for _, j in judged]),
-                loss_fraction=_worst([j[4] for _, j in judged]),
+                latency_p50_microseconds=_worst([v.p50 for _, v in judged]),
+                latency_p99_microseconds=_worst([v.p99 for _, v in judged]),
+                loss_fraction=_worst([v.loss for _, v in judged]),
+                latency_samples=min(v.rtts for _, v in judged),
+                loss_datagrams=min(v.datagrams for _, v in judged),
                 message=message[:1024],
             )
         )
-        verdicts.append((node, ok))
-    healthy = all(ok for _, ok in verdicts) if verdicts else None
+        verdicts.append((node, ok, all(v.judged for _, v in judged)))
+    healthy = all(ok for _, ok, _ in verdicts) if verdicts else None
     summary = ProbeSummary(healthy=healthy, last_run_time=now(), peers=peers or None)
     return summary, (healthy, tuple(sorted(verdicts)))
 

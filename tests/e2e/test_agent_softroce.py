@@ -291,6 +291,8 @@ def test_probe_between_the_nodes_passes_and_is_served(env: Env) -> None:
         # a loss fraction is stated once 2000 datagrams stand behind it; the counts always
         assert p.get("lossFraction") is None or p["lossFraction"] <= 0.2
         assert re.search(r"loss \d+ of \d+ datagrams", p["message"]), p
+        assert p["latencySamples"] > 0 and p["lossDatagrams"] > 0, p  # what stands behind it
+        print(f"probe {env.guests[i].name} -> {peer}: {p['message']}")  # the figures, with -s
     metrics = env.run(
         0,
         "python3 -c 'import urllib.request as u; "

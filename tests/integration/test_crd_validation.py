@@ -353,7 +353,18 @@ def test_nodestate_is_written_whole_in_one_request(kube: Any) -> None:
                 "skipped": [{"name": "pfc", "device": "eth1", "reason": "virtio_net has no DCB"}],
             },
             "transport": {"mode": "softroce", "ready": True, "devices": ["rxe0"]},
-            "probe": {"healthy": True, "peers": [{"node": "kwok-a2", "reachable": True}]},
+            "probe": {
+                "healthy": True,
+                "peers": [
+                    # the samples behind the verdict are kept, not pruned by the schema
+                    {
+                        "node": "kwok-a2",
+                        "reachable": True,
+                        "latencySamples": 300,
+                        "lossDatagrams": 600,
+                    },
+                ],
+            },
             "errors": [{"step": "apply pfc on eth1", "message": "unsupported"}],
         }
     )

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from metaroce_agent.host import Host
 from metaroce_agent.steps import Json, Step, StepError
@@ -81,23 +81,39 @@ class ClsactStep(Step):
 
 
 @dataclass(frozen=True)
-class TcMarkStep(Step):
-    """Mark RoCEv2 egress packets with `dscp` and skb priority `priority`."""
-
-    kind = "tc-mark"
-    knob = "dscp-mark"
-    method = "tc"
+class EgressMarkStep(Step):
+    """One agent-owned `clsact` egress flower filter that marks UDP packets with `dscp`
+    and skb priority `priority`: the filter at egress pref `pref` with the agent's
+    handle, matching `port_key` (`dst_port` or `src_port`) on `port_text()`. Subclasses
+    say which packets (RoCEv2's port 4791, the MetaRoCE range) and keep their own step
+    kind, fields and id, so journals of earlier agents still rebuild them."""
 
     dscp: int = 26
     priority: int = 3
     family: str = "ipv4"
 
+    what: ClassVar[str] = "marking filter"
+    """How the filter is named in what verify reports."""
+
+    @property
+    def pref(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def port_key(self) -> str:
+        return "dst_port"
+
+    def port_text(self) -> str:
+        """The port (or `first-last` range) the filter matches, as tc takes it."""
+        raise NotImplementedError
+
+    def port_problem(self, keys: dict[str, Any]) -> str | None:
+        """What differs in the filter's port match (tc's JSON `keys`), or None."""
+        raise NotImplementedError
+
     @property
     def tos(self) -> int:
         return self.dscp << 2
-
-    def value(self) -> str:
-        return f"dscp {self.dscp} (tos 0x{self.tos:02x}) priority {self.priority}"
 
     def _proto(self) -> str:
         return "ip" if self.family == "ipv4" else "ipv6"
@@ -111,17 +127,18 @@ class TcMarkStep(Step):
         csum = ["action", "csum", "ip", "pipe"] if self.family == "ipv4" else []
         return [
             "tc", "filter", "replace", "dev", self.device, "egress",
-            "protocol", self._proto(), "pref", str(FILTER_PREF), "handle", hex(FILTER_HANDLE),
-            "flower", "ip_proto", "udp", "dst_port", str(ROCE_V2_PORT),
+            "protocol", self._proto(), "pref", str(self.pref), "handle", hex(FILTER_HANDLE),
+            "flower", "ip_proto", "udp", self.port_key, self.port_text(),
             "action", "pedit", "ex", *munge, "set", f"0x{self.tos:02x}", "retain", "0xfc", "pipe",
             *csum,
             "action", "skbedit", "priority", str(self.priority),
         ]  # fmt: skip
 
     def _ours(self, host: Host) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+        """The agent's filter at `pref` (by its handle), and any others there."""
         mine, others = None, []
         for f in filters(host, self.device, "egress"):
-            if f.get("pref") != FILTER_PREF:
+            if f.get("pref") != self.pref:
                 continue
             if (f.get("options") or {}).get("handle") == FILTER_HANDLE:
                 mine = f
@@ -139,12 +156,25 @@ class TcMarkStep(Step):
         if others:
             handles = [o.get("options", {}).get("handle") for o in others]
             return (
-                f"egress pref {FILTER_PREF} on {self.device} also holds filters that are not "
+                f"egress pref {self.pref} on {self.device} also holds filters that are not "
                 f"the agent's (handles {handles}): move them to another pref"
             )
         if mine is None:
-            return f"no RoCEv2 marking filter (egress pref {FILTER_PREF}) on {self.device}"
-        return describe_mismatch(mine, self.tos, self.priority)
+            return (
+                f"no {self.what} (egress pref {self.pref}, udp {self.port_key.replace('_', ' ')}"
+                f" {self.port_text()}) on {self.device}"
+            )
+        problems = []
+        port = self.port_problem((mine.get("options") or {}).get("keys") or {})
+        if port:
+            problems.append(port)
+        have_tos, have_prio, _ = marking_of(mine)
+        if have_tos is None or (have_tos & 0xFC) != (self.tos & 0xFC):
+            shown = "nothing" if have_tos is None else f"0x{have_tos:02x}"
+            problems.append(f"sets tos {shown}, want 0x{self.tos:02x}")
+        if have_prio != self.priority:
+            problems.append(f"sets priority {have_prio}, want {self.priority}")
+        return (f"{self.what} " + "; ".join(problems)) if problems else None
 
     def undo(self, host: Host, snapshot: Json) -> None:
         mine, _ = self._ours(host)
@@ -153,9 +183,35 @@ class TcMarkStep(Step):
         host.run(
             [
                 "tc", "filter", "del", "dev", self.device, "egress", "protocol", self._proto(),
-                "pref", str(FILTER_PREF), "handle", hex(FILTER_HANDLE), "flower",
+                "pref", str(self.pref), "handle", hex(FILTER_HANDLE), "flower",
             ]
         )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TcMarkStep(EgressMarkStep):
+    """Mark RoCEv2 egress packets (UDP destination port 4791) with `dscp` and skb
+    priority `priority`."""
+
+    kind = "tc-mark"
+    knob = "dscp-mark"
+    method = "tc"
+    what = "RoCEv2 marking filter"
+
+    @property
+    def pref(self) -> int:
+        return FILTER_PREF
+
+    def value(self) -> str:
+        return f"dscp {self.dscp} (tos 0x{self.tos:02x}) priority {self.priority}"
+
+    def port_text(self) -> str:
+        return str(ROCE_V2_PORT)
+
+    def port_problem(self, keys: dict[str, Any]) -> str | None:
+        port = keys.get("dst_port")
+        have = int(port) if isinstance(port, int | str) and str(port).isdigit() else None
+        return None if have == ROCE_V2_PORT else f"matches dst_port {have}, want {ROCE_V2_PORT}"
 
 
 def marking_of(entry: dict[str, Any]) -> tuple[int | None, int | None, int | None]:
@@ -186,19 +242,6 @@ def marking_of(entry: dict[str, Any]) -> tuple[int | None, int | None, int | Non
     return tos, prio, int(port) if isinstance(port, int | str) and str(port).isdigit() else None
 
 
-def describe_mismatch(entry: dict[str, Any], tos: int, priority: int) -> str | None:
-    have_tos, have_prio, port = marking_of(entry)
-    problems = []
-    if port != ROCE_V2_PORT:
-        problems.append(f"matches dst_port {port}, want {ROCE_V2_PORT}")
-    if have_tos is None or (have_tos & 0xFC) != (tos & 0xFC):
-        shown = "nothing" if have_tos is None else f"0x{have_tos:02x}"
-        problems.append(f"sets tos {shown}, want 0x{tos:02x}")
-    if have_prio != priority:
-        problems.append(f"sets priority {have_prio}, want {priority}")
-    return ("RoCEv2 marking filter " + "; ".join(problems)) if problems else None
-
-
 # --- MetaRoCE: the network's UDP port range -------------------------------------------------
 
 PORT_RANGE_PREFS = {"dst": 4792, "src": 4793}
@@ -223,21 +266,19 @@ def port_range_of(value: object) -> tuple[int, int] | None:
 
 
 @dataclass(frozen=True)
-class TcPortRangeMarkStep(Step):
+class TcPortRangeMarkStep(EgressMarkStep):
     """Mark the MetaRoCE transport's UDP packets (ports `first`-`last` as destination or
     as source, `match`) with `dscp` and skb priority `priority` on egress: the node-level
-    DSCP policy for a NIC without DCB, like `TcMarkStep` does for RoCEv2's port 4791."""
+    DSCP policy for a NIC without DCB, as `TcMarkStep` is for RoCEv2's port 4791."""
 
     kind = "tc-mark-ports"
     knob = "dscp-mark"
     method = "tc"
+    what = "MetaRoCE marking filter"
 
     match: str = "dst"
     first: int = 20000
     last: int = 23999
-    dscp: int = 26
-    priority: int = 3
-    family: str = "ipv4"
 
     def id_suffix(self) -> str:
         return f":{self.match}"
@@ -247,8 +288,8 @@ class TcPortRangeMarkStep(Step):
         return PORT_RANGE_PREFS[self.match]
 
     @property
-    def tos(self) -> int:
-        return self.dscp << 2
+    def port_key(self) -> str:
+        return f"{self.match}_port"
 
     def value(self) -> str:
         return (
@@ -256,73 +297,12 @@ class TcPortRangeMarkStep(Step):
             f"(tos 0x{self.tos:02x}) priority {self.priority}"
         )
 
-    def _proto(self) -> str:
-        return "ip" if self.family == "ipv4" else "ipv6"
+    def port_text(self) -> str:
+        return f"{self.first}-{self.last}"
 
-    def command(self) -> list[str]:
-        munge = (
-            ["munge", "ip", "dsfield"]
-            if self.family == "ipv4"
-            else ["munge", "ip6", "traffic_class"]
-        )
-        csum = ["action", "csum", "ip", "pipe"] if self.family == "ipv4" else []
-        return [
-            "tc", "filter", "replace", "dev", self.device, "egress",
-            "protocol", self._proto(), "pref", str(self.pref), "handle", hex(FILTER_HANDLE),
-            "flower", "ip_proto", "udp", f"{self.match}_port", f"{self.first}-{self.last}",
-            "action", "pedit", "ex", *munge, "set", f"0x{self.tos:02x}", "retain", "0xfc", "pipe",
-            *csum,
-            "action", "skbedit", "priority", str(self.priority),
-        ]  # fmt: skip
-
-    def _ours(self, host: Host) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
-        mine, others = None, []
-        for f in filters(host, self.device, "egress"):
-            if f.get("pref") != self.pref:
-                continue
-            if (f.get("options") or {}).get("handle") == FILTER_HANDLE:
-                mine = f
-            else:
-                others.append(f)
-        return mine, others
-
-    def apply(self, host: Host) -> None:
-        host.run(self.command())
-
-    def verify(self, host: Host) -> str | None:
-        mine, others = self._ours(host)
-        if others:
-            handles = [o.get("options", {}).get("handle") for o in others]
-            return (
-                f"egress pref {self.pref} on {self.device} also holds filters that are not "
-                f"the agent's (handles {handles}): move them to another pref"
-            )
-        if mine is None:
-            return (
-                f"no MetaRoCE marking filter (egress pref {self.pref}, udp {self.match} port "
-                f"{self.first}-{self.last}) on {self.device}"
-            )
-        keys = (mine.get("options") or {}).get("keys") or {}
-        have = port_range_of(keys.get(f"{self.match}_port"))
-        problems = []
-        if have != (self.first, self.last):
-            shown = "nothing" if have is None else f"{have[0]}-{have[1]}"
-            problems.append(f"matches {self.match} port {shown}, want {self.first}-{self.last}")
-        have_tos, have_prio, _ = marking_of(mine)
-        if have_tos is None or (have_tos & 0xFC) != (self.tos & 0xFC):
-            shown = "nothing" if have_tos is None else f"0x{have_tos:02x}"
-            problems.append(f"sets tos {shown}, want 0x{self.tos:02x}")
-        if have_prio != self.priority:
-            problems.append(f"sets priority {have_prio}, want {self.priority}")
-        return ("MetaRoCE marking filter " + "; ".join(problems)) if problems else None
-
-    def undo(self, host: Host, snapshot: Json) -> None:
-        mine, _ = self._ours(host)
-        if mine is None:
-            return
-        host.run(
-            [
-                "tc", "filter", "del", "dev", self.device, "egress", "protocol", self._proto(),
-                "pref", str(self.pref), "handle", hex(FILTER_HANDLE), "flower",
-            ]
-        )  # fmt: skip
+    def port_problem(self, keys: dict[str, Any]) -> str | None:
+        have = port_range_of(keys.get(self.port_key))
+        if have == (self.first, self.last):
+            return None
+        shown = "nothing" if have is None else f"{have[0]}-{have[1]}"
+        return f"matches {self.match} port {shown}, want {self.first}-{self.last}"

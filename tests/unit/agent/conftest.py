@@ -53,3 +53,13 @@ def node(tmp_path: Path) -> Callable[..., Node]:
         return Node(tree, kernel)
 
     return build
+
+
+@pytest.fixture
+def fast_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent's loop looks at the node every 50 ms (POLL_SECONDS, 5 s in production)
+    and retries a failed pass after 0.2 s (RETRY_BASE_SECONDS)."""
+    from metaroce_agent import loop
+
+    monkeypatch.setattr(loop, "POLL_SECONDS", 0.05, raising=False)
+    monkeypatch.setattr(loop, "RETRY_BASE_SECONDS", 0.2, raising=False)

@@ -12,19 +12,24 @@ Unit tests only: the agent itself always uses the real runner.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import select
 import shlex
 import shutil
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from metaroce_agent.host import CommandError, CommandResult, CommandRunner, Host, HostError
+from metaroce_agent.loop import Agent, AgentOptions
 from metaroce_agent.probe import Local
+from metaroce_api import AgentConfig
 
 ZERO = "0000:0000:0000:0000:0000:0000:0000:0000"
 
@@ -787,3 +792,119 @@ class SilentEndpoint:
     def rc_send(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+# --- a whole agent over a fake node, its loop in a thread --------------------------------
+
+
+def until(check: Callable[[], bool], seconds: float) -> bool:
+    """Whether `check` holds within `seconds` (asked every 50 ms, and once at the end)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.05)
+    return check()
+
+
+def fixture_agent(
+    tmp_path: Path, tree: SysfsTree, kernel: FakeKernel, config: AgentConfig, **options: Any
+) -> Agent:
+    """An `Agent` over the fake node (`tree`, `kernel`) with `config` written where the
+    agent reads it; node-1, no NodeState reports, no metrics server unless `options`
+    (AgentOptions fields) say otherwise."""
+    path = tmp_path / "agent.yaml"
+    path.write_text(config.to_yaml())
+    defaults: dict[str, Any] = {"node_name": "node-1", "report": False, "metrics_port": None}
+    opts = AgentOptions(config_path=path, **{**defaults, **options})
+    return Agent(opts, host=FixtureHost(tree.root, runner=kernel))
+
+
+@contextlib.contextmanager
+def running(agent: Agent) -> Iterator[Agent]:
+    """The agent's loop in a thread for the `with` block; stopped and joined after."""
+    t = threading.Thread(target=agent.run, daemon=True)
+    t.start()
+    try:
+        yield agent
+    finally:
+        agent.stop()
+        t.join(10)
+
+
+class WiredEndpoint:
+    """The verbs side of a probe session over an in-process "wire": a client and a
+    server endpoint (made by `probe_peer` and `ProbeServer`) find each other by QP
+    number; an RC send arrives at once as the peer's receive, a UD datagram arrives
+    `ud_delay` seconds later (a TCG guest's late completions), and only the first
+    `ud_delivered` datagrams of a session arrive (None: all). Completions wake `wait`
+    through a pipe, as a completion channel's descriptor does."""
+
+    ud_delay = 0.0
+    ud_delivered: int | None = None
+    _by_qpn: dict[int, WiredEndpoint] = {}
+    _next_qpn = 100
+
+    def __init__(self, local: Local) -> None:
+        cls = WiredEndpoint
+        self.e = type("e", (), {"IBV_WC_SEND": 0, "IBV_WC_RECV": 128, "IBV_WC_SUCCESS": 0})
+        self.rc_cq: list[tuple[int, int]] = []
+        self.ud_cq: list[tuple[int, int]] = []
+        self._lock = threading.Lock()
+        self._r, self._w = os.pipe()
+        self.qpn = cls._next_qpn
+        cls._next_qpn += 2
+        cls._by_qpn[self.qpn] = self
+        self.peer: WiredEndpoint | None = None
+        self.ud_sent = 0
+
+    def _complete(self, cq: list[tuple[int, int]], opcode: int) -> None:
+        with self._lock:
+            cq.append((opcode, 0))
+        with contextlib.suppress(OSError):
+            os.write(self._w, b"x")
+
+    def post_rc_recv(self, n: int) -> None: ...
+
+    def post_ud_recv(self, n: int) -> None: ...
+
+    def hello(self) -> dict[str, Any]:
+        return {"gid": "::", "rc_qpn": self.qpn, "ud_qpn": self.qpn + 1, "psn": 0}
+
+    def connect(self, remote: dict[str, Any]) -> None:
+        self.peer = WiredEndpoint._by_qpn[int(remote["rc_qpn"])]
+
+    def rc_send(self) -> None:
+        assert self.peer is not None
+        self._complete(self.rc_cq, 0)
+        self.peer._complete(self.peer.rc_cq, 128)
+
+    def ud_send(self) -> None:
+        assert self.peer is not None
+        self._complete(self.ud_cq, 0)
+        self.ud_sent += 1
+        limit = type(self).ud_delivered
+        if limit is None or self.ud_sent <= limit:
+            peer = self.peer
+            timer = threading.Timer(type(self).ud_delay, peer._complete, (peer.ud_cq, 128))
+            timer.daemon = True
+            timer.start()
+
+    def poll(self, cq: list[tuple[int, int]], n: int = 16) -> list[tuple[int, int]]:
+        with self._lock:
+            out, cq[:] = cq[:n], cq[n:]
+        return out
+
+    def wait(self, timeout: float, extra: tuple[Any, ...] = ()) -> list[Any]:
+        with self._lock:
+            pending = bool(self.rc_cq or self.ud_cq)
+        r, _, _ = select.select([self._r, *extra], [], [], 0 if pending else max(0.0, timeout))
+        if self._r in r:
+            os.read(self._r, 4096)
+        return [x for x in r if x in extra]
+
+    def close(self) -> None:
+        WiredEndpoint._by_qpn.pop(self.qpn, None)
+        for fd in (self._r, self._w):
+            with contextlib.suppress(OSError):
+                os.close(fd)

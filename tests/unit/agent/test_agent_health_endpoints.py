@@ -8,31 +8,20 @@ On b6733c0 (and until this fix) the server answers only /metrics: both are 404."
 
 from __future__ import annotations
 
-import contextlib
-import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from conftest import make_config
-from fakes import FakeKernel, FixtureHost, softroce_node
+from fakes import FakeKernel, fixture_agent, running, softroce_node, until
 
 from metaroce_agent import loop
-from metaroce_agent.loop import Agent, AgentOptions
+from metaroce_agent.loop import Agent
 
 SOFTROCE = {"nics": {"interfaceNames": ["eth0"]}, "transport": {"mode": "softroce"}}
-
-
-def _until(check: Callable[[], bool], seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.05)
-    return check()
 
 
 def _get(agent: Agent, path: str) -> tuple[int, str]:
@@ -48,32 +37,11 @@ def _agent(tmp_path: Path, kernel_setup: Callable[[FakeKernel], None] | None = N
     tree, kernel = softroce_node(tmp_path / "root")
     if kernel_setup:
         kernel_setup(kernel)
-    path = tmp_path / "agent.yaml"
-    path.write_text(make_config(driftInterval="1h", **SOFTROCE).to_yaml())
-    opts = AgentOptions(
-        config_path=path, node_name="node-1", report=False, metrics_address="127.0.0.1",
-        metrics_port=0,
-    )  # fmt: skip
-    agent = Agent(opts, host=FixtureHost(tree.root, runner=kernel))
+    config = make_config(driftInterval="1h", **SOFTROCE)
+    agent = fixture_agent(tmp_path, tree, kernel, config, metrics_address="127.0.0.1",
+                          metrics_port=0)  # fmt: skip
     agent.kernel = kernel  # type: ignore[attr-defined]
     return agent
-
-
-@contextlib.contextmanager
-def _running(agent: Agent) -> Iterator[Agent]:
-    t = threading.Thread(target=agent.run, daemon=True)
-    t.start()
-    try:
-        yield agent
-    finally:
-        agent.stop()
-        t.join(10)
-
-
-@pytest.fixture
-def fast_loop(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(loop, "POLL_SECONDS", 0.05, raising=False)
-    monkeypatch.setattr(loop, "RETRY_BASE_SECONDS", 0.2, raising=False)
 
 
 def test_ready_only_once_the_plan_is_applied_and_verified(tmp_path: Path, fast_loop: None) -> None:
@@ -81,13 +49,13 @@ def test_ready_only_once_the_plan_is_applied_and_verified(tmp_path: Path, fast_l
         kernel.fail["tc filter replace"] = (2, "Error: TC classifier not found.")
 
     agent = _agent(tmp_path, failing)
-    with _running(agent) as a:
-        assert _until(lambda: a.server is not None and a.state.status is not None, 5)
+    with running(agent) as a:
+        assert until(lambda: a.server is not None and a.state.status is not None, 5)
         code, body = _get(a, "/readyz")
         assert code == 503 and "Failed" in body, (code, body)  # rolled back, not verified
         assert _get(a, "/livez")[0] == 200  # failing is not hung: a restart would not help
         del a.kernel.fail["tc filter replace"]  # type: ignore[attr-defined]
-        assert _until(lambda: _get(a, "/readyz")[0] == 200, 10), _get(a, "/readyz")
+        assert until(lambda: _get(a, "/readyz")[0] == 200, 10), _get(a, "/readyz")
         assert "generation" in _get(a, "/readyz")[1]
         assert _get(a, "/metrics")[0] == 200
 

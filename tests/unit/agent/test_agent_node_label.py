@@ -9,41 +9,17 @@ network's settings and journal."""
 
 from __future__ import annotations
 
-import contextlib
-import threading
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from conftest import make_config
-from fakes import FixtureHost, softroce_node
+from fakes import fixture_agent, running, softroce_node, until
 
-from metaroce_agent import loop
-from metaroce_agent.loop import Agent, AgentOptions
+from metaroce_agent.loop import Agent
 from metaroce_api import constants as c
 
 TOS = "/sys/kernel/config/rdma_cm/rxe_eth0/ports/1/default_roce_tos"
-
-
-def _until(check: Callable[[], bool], seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.05)
-    return check()
-
-
-@contextlib.contextmanager
-def _running(agent: Agent) -> Iterator[Agent]:
-    t = threading.Thread(target=agent.run, daemon=True)
-    t.start()
-    try:
-        yield agent
-    finally:
-        agent.stop()
-        t.join(10)
 
 
 def _agent(tmp_path: Path, cleanup: bool) -> Agent:
@@ -52,10 +28,7 @@ def _agent(tmp_path: Path, cleanup: bool) -> Agent:
         driftInterval="1h", nics={"interfaceNames": ["eth0"]}, transport={"mode": "softroce"},
         cleanupOnDelete=cleanup,
     )  # fmt: skip
-    path = tmp_path / "agent.yaml"
-    path.write_text(config.to_yaml())
-    opts = AgentOptions(config_path=path, node_name="node-1", report=False, metrics_port=None)
-    return Agent(opts, host=FixtureHost(tree.root, runner=kernel))
+    return fixture_agent(tmp_path, tree, kernel, config)
 
 
 def _node(value: str | None) -> dict[str, object]:
@@ -66,33 +39,33 @@ def _node(value: str | None) -> dict[str, object]:
 
 
 @pytest.fixture(autouse=True)
-def fast_loop(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(loop, "POLL_SECONDS", 0.05, raising=False)
+def _fast(fast_loop: None) -> None:
+    """Every test here runs the loop fast (conftest's fast_loop)."""
 
 
 def test_a_node_that_left_the_network_is_reverted_and_reapplied_if_it_comes_back(
     tmp_path: Path,
 ) -> None:
     agent = _agent(tmp_path, cleanup=True)
-    with _running(agent) as a:
-        assert _until(lambda: a.state.status is not None and a.state.status.phase == "Ready", 10)
+    with running(agent) as a:
+        assert until(lambda: a.state.status is not None and a.state.status.phase == "Ready", 10)
         assert a.host.read(TOS) == "104"
         a._check_node(_node(c.NODE_SELECTED))
         time.sleep(0.3)
         assert not a.state.reverted
         a._check_node(_node(c.NODE_REVERT))  # the node left the nodeSelector
-        assert _until(lambda: a.state.status is not None and a.state.status.phase == "Reverted",
+        assert until(lambda: a.state.status is not None and a.state.status.phase == "Reverted",
                       10), a.state.status  # fmt: skip
         assert a.host.read_opt(TOS) != "104"  # the rxe link and its configfs are gone
         a._check_node(_node(c.NODE_SELECTED))  # selected again before the agent went
-        assert _until(lambda: a.state.status is not None and a.state.status.phase == "Ready", 10)
+        assert until(lambda: a.state.status is not None and a.state.status.phase == "Ready", 10)
         assert a.host.read(TOS) == "104"
 
 
 def test_without_cleanup_on_delete_the_node_keeps_its_settings(tmp_path: Path) -> None:
     agent = _agent(tmp_path, cleanup=False)
-    with _running(agent) as a:
-        assert _until(lambda: a.state.status is not None and a.state.status.phase == "Ready", 10)
+    with running(agent) as a:
+        assert until(lambda: a.state.status is not None and a.state.status.phase == "Ready", 10)
         a._check_node(_node(c.NODE_REVERT))
         time.sleep(0.5)
         assert not a.state.reverted and a.host.read(TOS) == "104"

@@ -72,3 +72,36 @@ def test_numbers_the_operator_judges_are_stated_only_on_enough_samples() -> None
     assert s.peers is not None
     assert s.peers[0].latency_p99_microseconds == 100.0
     assert s.peers[0].loss_fraction == 30 / 2000
+
+
+def test_each_entry_says_how_many_samples_stand_behind_its_verdict() -> None:
+    history: dict[str, PeerHistory] = {}
+    s, _ = summarize([_round(lost=3)], 1000, 0.01, history)
+    assert s.peers is not None
+    assert (s.peers[0].latency_samples, s.peers[0].loss_datagrams) == (100, 200)
+    for _ in range(2):
+        s, _ = summarize([_round(lost=3)], 1000, 0.01, history)
+    assert s.peers is not None
+    assert (s.peers[0].latency_samples, s.peers[0].loss_datagrams) == (300, 600)
+    dumped = s.to_api()
+    assert dumped["peers"][0]["latencySamples"] == 300, dumped
+    assert dumped["peers"][0]["lossDatagrams"] == 600
+
+
+def test_two_rails_state_the_fewer_samples() -> None:
+    history: dict[str, PeerHistory] = {}
+    a = PeerResult("node-2", True, rtts_us=(100.0,) * 100, ud=(200, 200), device="rxe0")
+    b = PeerResult("node-2", True, rtts_us=(100.0,) * 40, ud=(120, 120), device="rxe1")
+    s, _ = summarize([a, b], 1000, 0.01, history)
+    assert s.peers is not None and len(s.peers) == 1
+    assert (s.peers[0].latency_samples, s.peers[0].loss_datagrams) == (40, 120)
+
+
+def test_a_healthy_peer_is_reported_again_once_its_figures_are_stated() -> None:
+    """The NodeState is written when the verdict key changes; a healthy peer stays healthy
+    while its samples accumulate, so without the 'judged' part of the key the operator
+    would keep seeing the first round's 100 RTTs and no p99 or loss fraction."""
+    history: dict[str, PeerHistory] = {}
+    keys = [summarize([_round(lost=0)], 1000, 0.01, history)[1] for _ in range(12)]
+    changes = [i for i in range(1, len(keys)) if keys[i] != keys[i - 1]]
+    assert changes == [9], keys  # the 10th round: 1000 RTTs and 2000 datagrams

@@ -3,53 +3,20 @@
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from conftest import make_config
-from fakes import FakeKernel, FixtureHost, SysfsTree, softroce_node
+from fakes import FakeKernel, SysfsTree, fixture_agent, running, softroce_node, until
 
 from metaroce_agent import loop
-from metaroce_agent.loop import Agent, AgentOptions
+from metaroce_agent.loop import Agent
 
 TOS = "/sys/kernel/config/rdma_cm/rxe_eth0/ports/1/default_roce_tos"
 
 
-def _until(check: Callable[[], bool], seconds: float) -> bool:
-    stop = threading.Event()
-    for _ in range(int(seconds / 0.05)):
-        if check():
-            return True
-        stop.wait(0.05)
-    return check()
-
-
-@pytest.fixture
-def fast_loop(monkeypatch: pytest.MonkeyPatch) -> None:
-    # the loop looks at the node every POLL_SECONDS (5 s in production)
-    monkeypatch.setattr(loop, "POLL_SECONDS", 0.05, raising=False)
-
-
-@contextlib.contextmanager
-def _running(agent: Agent) -> Iterator[Agent]:
-    t = threading.Thread(target=agent.run, daemon=True)
-    t.start()
-    try:
-        yield agent
-    finally:
-        agent.stop()
-        t.join(10)
-
-
 def _agent(tmp_path: Path, tree: SysfsTree, kernel: FakeKernel, **cfg) -> Agent:  # type: ignore[no-untyped-def]
-    config = make_config(driftInterval="1h", **cfg)
-    path = tmp_path / "agent.yaml"
-    path.write_text(config.to_yaml())
-    opts = AgentOptions(config_path=path, node_name="node-1", report=False, metrics_port=None)
-    return Agent(opts, host=FixtureHost(tree.root, runner=kernel))
+    return fixture_agent(tmp_path, tree, kernel, make_config(driftInterval="1h", **cfg))
 
 
 def test_a_failed_pass_is_retried_with_backoff(
@@ -61,14 +28,14 @@ def test_a_failed_pass_is_retried_with_backoff(
     agent = _agent(
         tmp_path, tree, kernel, nics={"interfaceNames": ["eth0"]}, transport={"mode": "softroce"}
     )
-    with _running(agent) as a:
-        assert _until(lambda: a.state.status is not None, 5)
+    with running(agent) as a:
+        assert until(lambda: a.state.status is not None, 5)
         assert a.state.status is not None and a.state.status.phase != "Ready"
         # each attempt is reported with its number and when the next one comes
-        assert _until(lambda: "attempt 2" in _errors(a), 5), _errors(a)
+        assert until(lambda: "attempt 2" in _errors(a), 5), _errors(a)
         assert "next attempt in" in _errors(a)
         del kernel.fail["tc filter replace"]  # the transient fault is gone
-        assert _until(lambda: a.state.status is not None and a.state.status.phase == "Ready", 10)
+        assert until(lambda: a.state.status is not None and a.state.status.phase == "Ready", 10)
         assert a.host.read(TOS) == "104"
 
 
@@ -83,12 +50,12 @@ def test_a_device_that_appears_later_is_planned_at_once(
     agent = _agent(
         tmp_path, tree, kernel, nics={"interfaceNames": ["ens1f0"]}, transport={"mode": "rocev2"}
     )
-    with _running(agent) as a:
-        assert _until(lambda: a.state.status is not None, 5)
+    with running(agent) as a:
+        assert until(lambda: a.state.status is not None, 5)
         assert a.state.status is not None and a.state.status.phase != "Ready"
         with a._lock:  # the device appears whole (the fixture writes it file by file)
             tree.rdma("mlx5_0", netdev="ens1f0")  # mlx5_ib loaded after the agent started
-        assert _until(lambda: a.state.result is not None and a.state.result.ok, 10)
+        assert until(lambda: a.state.result is not None and a.state.result.ok, 10)
         assert a.state.status is not None
         assert a.state.status.phase == "Ready", (a.state.status.phase, _errors(a))
 
