@@ -43,6 +43,8 @@ hca="${NCCL_IB_HCA:-}"; hca="${hca#=}"; hca="${hca#^}"; dev="${hca%%,*}"; dev="$
 flags="-d $dev -F"
 [ -n "${NCCL_IB_GID_INDEX:-}" ] && flags="$flags -x $NCCL_IB_GID_INDEX"
 [ -n "${NCCL_IB_TC:-}" ] && flags="$flags --tclass=$NCCL_IB_TC"
+[ -n "${NCCL_IB_TIMEOUT:-}" ] && flags="$flags -u $NCCL_IB_TIMEOUT"
+flags="$flags @EXTRA@"
 echo "device $dev, flags $flags"
 """
 _SERVER_SCRIPT = (
@@ -92,6 +94,8 @@ class TestPlan:
     seconds: int = 3
     iterations: int = 1000
     timeout: float = 180.0
+    perftest_flags: str = ""
+    """More perftest flags for both sides (e.g. `-s 65536 -t 1` on slow emulated nodes)."""
 
     @property
     def server_name(self) -> str:
@@ -112,6 +116,7 @@ def make_plan(
     run_id: str | None = None,
     seconds: int = 3,
     timeout: float = 180.0,
+    perftest_flags: str = "",
 ) -> TestPlan:
     """Check the input against the cluster's networks and name what will be created."""
     names = [n.strip() for n in nodes.split(",") if n.strip()]
@@ -140,9 +145,15 @@ def make_plan(
         )
     if not 1 <= seconds <= 60:
         raise PlanError(f"--seconds={seconds}: give 1-60")
+    if not re.fullmatch(r"[-\w =.,]*", perftest_flags):
+        raise PlanError(
+            f"--perftest-flags={perftest_flags!r}: only perftest options (letters, digits, "
+            "'-', '=', '.', ',' and spaces), e.g. '-s 65536 -t 1'"
+        )
     return TestPlan(
         network=network, client_node=names[0], server_node=names[1], namespace=namespace,
         image=image, run_id=run_id or secrets.token_hex(3), seconds=seconds, timeout=timeout,
+        perftest_flags=perftest_flags,
     )  # fmt: skip
 
 
@@ -152,7 +163,7 @@ def pod_manifest(plan: TestPlan, role: str, server_ip: str | None = None) -> dic
     script = _SERVER_SCRIPT if role == "server" else _CLIENT_SCRIPT
     attempts = max(5, int(plan.timeout / 4))
     for word, value in (("@SECONDS@", plan.seconds), ("@ITERATIONS@", plan.iterations),
-                        ("@ATTEMPTS@", attempts)):  # fmt: skip
+                        ("@ATTEMPTS@", attempts), ("@EXTRA@", plan.perftest_flags)):  # fmt: skip
         script = script.replace(word, str(value))
     env = [{"name": "SERVER_IP", "value": server_ip}] if server_ip else []
     return {
@@ -334,6 +345,11 @@ def main(argv: Sequence[str]) -> int:
     )
     p.add_argument("--seconds", type=int, default=3, help="bandwidth run length (default 3)")
     p.add_argument("--timeout", type=float, default=180.0, help="for the whole test (s)")
+    p.add_argument(
+        "--perftest-flags",
+        default="",
+        help="more ib_write_bw/ib_send_lat flags for both sides, e.g. '-s 65536'",
+    )
     p.add_argument("--keep", action="store_true", help="leave the pods for a look")
     p.add_argument("--kubeconfig", help="kubeconfig (default: $KUBECONFIG, ~/.kube/config)")
     args = p.parse_args(list(argv))
@@ -344,7 +360,7 @@ def main(argv: Sequence[str]) -> int:
             return 2
         plan = make_plan(args.nodes, args.network, json.loads(got.stdout).get("items") or [],
                          namespace=args.namespace, image=args.image, seconds=args.seconds,
-                         timeout=args.timeout)  # fmt: skip
+                         timeout=args.timeout, perftest_flags=args.perftest_flags)  # fmt: skip
         run = Run(plan, args.kubeconfig)
         try:
             return run.execute()

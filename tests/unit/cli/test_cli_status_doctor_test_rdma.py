@@ -240,3 +240,12 @@ def test_usage_lists_the_cluster_commands(capsys: pytest.CaptureFixture[str]) ->
     user = capsys.readouterr().out.split("developer commands")[0]
     for word in ("status", "doctor", "test-rdma"):
         assert word in user
+
+
+def test_extra_perftest_flags_reach_both_sides_and_nothing_else() -> None:
+    plan = _plan(perftest_flags="-s 65536 -t 1")
+    for role in ("server", "client"):
+        script = test_rdma.pod_manifest(plan, role, "10.0.0.7")["spec"]["containers"][0]
+        assert 'flags="$flags -s 65536 -t 1"' in script["command"][2]
+    with pytest.raises(test_rdma.PlanError, match="--perftest-flags"):
+        _plan(perftest_flags="-s 1; rm -rf /")
