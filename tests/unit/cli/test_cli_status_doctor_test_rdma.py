@@ -1,7 +1,8 @@
 """`metaroce status`, `doctor --node` and `test-rdma` as pure functions (issue 17): the
 report of a network from its objects, the agent pod and command the doctor runs in, and
 test-rdma's plan, pod manifests and perftest parsing. The status command against a real
-apiserver is in tests/integration/test_cli_status.py."""
+apiserver is in tests/integration/test_cli_status.py, test-rdma between real kubelet
+nodes in tests/e2e/nodes/test_agents.py (test_2b)."""
 
 from __future__ import annotations
 
