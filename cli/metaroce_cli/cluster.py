@@ -4,6 +4,9 @@ to print, never a traceback. Uses the agent's small stdlib client (no kubernetes
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
 from metaroce_agent.kube import KubeClient, KubeError
@@ -36,3 +39,33 @@ def connect(flag: str | None) -> tuple[KubeClient | None, str]:
         return None, f"cannot use the kubeconfig {path}: {e}" if path else str(e)
     client.timeout = TIMEOUT_SECONDS
     return client, ""
+
+
+class KubectlMissing(RuntimeError):
+    """kubectl is not on PATH (exec and logs go through it)."""
+
+
+def kubectl(
+    args: Sequence[str],
+    kubeconfig: str | None = None,
+    *,
+    input: str | None = None,
+    timeout: float = 60.0,
+) -> subprocess.CompletedProcess[str]:
+    """Run kubectl (for what the small REST client cannot do: exec, logs), never raising
+    on its exit status; a hung call ends with exit 124 and says so."""
+    binary = shutil.which("kubectl")
+    if binary is None:
+        raise KubectlMissing(
+            "kubectl is not on PATH: install it (https://kubernetes.io/docs/tasks/tools/)"
+        )
+    argv = [binary, *([f"--kubeconfig={kubeconfig}"] if kubeconfig else []), *args]
+    try:
+        return subprocess.run(
+            argv, input=input, capture_output=True, text=True, timeout=timeout, check=False
+        )
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout if isinstance(e.stdout, str) else ""
+        return subprocess.CompletedProcess(
+            argv, 124, out, f"kubectl {' '.join(args[:2])} did not return in {timeout:.0f} s"
+        )

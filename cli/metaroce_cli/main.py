@@ -22,9 +22,23 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str, str]] = {
         "main",
         "--dry-run -f pod.yaml: the patch the pod webhook would apply",
     ),
+    ("status",): (
+        "metaroce_cli.status",
+        "main",
+        "[NETWORK]: the networks, their nodes, what fails and the fix",
+    ),
+    ("doctor",): (
+        "metaroce_cli.doctor",
+        "main",
+        "--node N: the agent's doctor in N's agent pods (alone: on this node)",
+    ),
+    ("test-rdma",): (
+        "metaroce_cli.test_rdma",
+        "main",
+        "--nodes A,B [--network N]: an annotated pod pair moves data",
+    ),
     ("operator",): ("metaroce_operator.cli", "run_main", "run the operator"),
     ("agent",): ("metaroce_agent.cli", "run_main", "run the node agent"),
-    ("doctor",): ("metaroce_agent.cli", "doctor_main", "check this node's RDMA setup"),
     ("render",): (
         "metaroce_operator.cli",
         "render_main",

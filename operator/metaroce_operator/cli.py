@@ -11,7 +11,8 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -23,6 +24,8 @@ from metaroce_operator import __version__, crash
 from metaroce_operator.render import render_network
 from metaroce_operator.settings import (
     DEFAULT_AGENT_IMAGE,
+    DEFAULT_AGENT_PRIORITY_CLASS,
+    DEFAULT_KUBELET_ROOT_DIR,
     DEFAULT_LEASE_NAME,
     DEFAULT_NAMESPACE,
     OperatorSettings,
@@ -31,6 +34,7 @@ from metaroce_operator.settings import (
     WebhookSettings,
     check_port,
     default_identity,
+    parse_key_value,
     parse_seconds,
 )
 
@@ -48,6 +52,7 @@ def chart_arguments(
     allowed_agent_images: Sequence[str] = (),
     admission_mode: str = "webhook",
     image_pull_secrets: Sequence[str] = (),
+    agent_pod_defaults: AgentPodDefaults | None = None,
 ) -> list[str]:
     """The arguments the Helm chart passes to `metaroce operator`.
 
@@ -82,7 +87,40 @@ def chart_arguments(
         args.append("--webhook-cert-manager")
     args += [f"--allowed-agent-image={image}" for image in allowed_agent_images]
     args += [f"--agent-image-pull-secret={name}" for name in image_pull_secrets]
-    return args
+    return args + (agent_pod_defaults or AgentPodDefaults()).arguments()
+
+
+@dataclass(frozen=True)
+class AgentPodDefaults:
+    """The chart's cluster-wide agent pod values (agent.*), as `metaroce operator` flags.
+
+    Each flag is passed only when its value differs from the operator's default, the
+    way charts/metaroce/templates/_helpers.tpl `metaroce.operatorArgs` writes them."""
+
+    pull_policy: str = "IfNotPresent"
+    tolerations: Sequence[Mapping[str, Any]] = ()
+    priority_class: str = DEFAULT_AGENT_PRIORITY_CLASS
+    kubelet_root_dir: str = DEFAULT_KUBELET_ROOT_DIR
+    pod_labels: Mapping[str, str] = field(default_factory=dict)
+    pod_annotations: Mapping[str, str] = field(default_factory=dict)
+
+    def arguments(self) -> list[str]:
+        args = []
+        if self.pull_policy != "IfNotPresent":
+            args.append(f"--agent-image-pull-policy={self.pull_policy}")
+        args += [f"--agent-toleration={_go_json(t)}" for t in self.tolerations]
+        if self.priority_class != DEFAULT_AGENT_PRIORITY_CLASS:
+            args.append(f"--agent-priority-class={self.priority_class}")
+        if self.kubelet_root_dir != DEFAULT_KUBELET_ROOT_DIR:
+            args.append(f"--kubelet-root-dir={self.kubelet_root_dir}")
+        args += [f"--agent-pod-label={k}={v}" for k, v in sorted(self.pod_labels.items())]
+        args += [f"--agent-pod-annotation={k}={v}" for k, v in sorted(self.pod_annotations.items())]
+        return args
+
+
+def _go_json(value: Any) -> str:
+    """JSON as Helm's `toJson` writes it (Go: sorted keys, no spaces)."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
 def _env(*names: str, default: str | None = None) -> str | None:
@@ -136,6 +174,48 @@ def _operator_parser() -> argparse.ArgumentParser:
         metavar="SECRET",
         help="a Secret in the agents' namespace the agent pods pull their image with "
         "(repeatable; the chart's imagePullSecrets)",
+    )
+    p.add_argument(
+        "--agent-image-pull-policy",
+        default="IfNotPresent",
+        help="imagePullPolicy of the agent containers (the chart's agent.image.pullPolicy)",
+    )
+    p.add_argument(
+        "--agent-toleration",
+        action="append",
+        default=[],
+        metavar="JSON",
+        help="a toleration every agent DaemonSet gets besides its network's, as JSON "
+        "(repeatable; the chart's agent.tolerations), e.g. for GPU node taints",
+    )
+    p.add_argument(
+        "--agent-priority-class",
+        default=DEFAULT_AGENT_PRIORITY_CLASS,
+        metavar="NAME",
+        help=f"priorityClassName of the agent pods ('' = none; default "
+        f"{DEFAULT_AGENT_PRIORITY_CLASS}; the chart's agent.priorityClassName)",
+    )
+    p.add_argument(
+        "--kubelet-root-dir",
+        default=DEFAULT_KUBELET_ROOT_DIR,
+        metavar="PATH",
+        help="the kubelet's root directory on the nodes, holding device-plugins/ and "
+        f"pod-resources/ (default {DEFAULT_KUBELET_ROOT_DIR}; k0s: /var/lib/k0s/kubelet; "
+        "the chart's agent.kubeletRootDir)",
+    )
+    p.add_argument(
+        "--agent-pod-label",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a label of every agent pod (repeatable; the chart's agent.podLabels)",
+    )
+    p.add_argument(
+        "--agent-pod-annotation",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an annotation of every agent pod (repeatable; the chart's agent.podAnnotations)",
     )
     p.add_argument(
         "--agent-cluster-role",
@@ -227,6 +307,13 @@ def _operator_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _json_flag(flag: str, text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SettingsError(flag, text, f"not JSON ({exc.msg} at {exc.pos})") from None
+
+
 def settings_from_args(argv: Sequence[str]) -> OperatorSettings:
     """Parse and validate; raises SettingsError / SystemExit (argparse) on bad input."""
     args = _operator_parser().parse_args(list(argv))
@@ -238,6 +325,16 @@ def settings_from_args(argv: Sequence[str]) -> OperatorSettings:
         pod_security_default=args.pod_security_default,
         agent_cluster_role=args.agent_cluster_role,
         agent_image_pull_secrets=tuple(args.agent_image_pull_secret),
+        agent_image_pull_policy=args.agent_image_pull_policy,
+        agent_tolerations=tuple(_json_flag("--agent-toleration", t) for t in args.agent_toleration),
+        agent_priority_class=args.agent_priority_class,
+        kubelet_root_dir=args.kubelet_root_dir,
+        agent_pod_labels=tuple(
+            parse_key_value("--agent-pod-label", a) for a in args.agent_pod_label
+        ),
+        agent_pod_annotations=tuple(
+            parse_key_value("--agent-pod-annotation", a) for a in args.agent_pod_annotation
+        ),
     )
     return OperatorSettings(
         render=render,

@@ -11,9 +11,10 @@ import os
 import re
 import socket
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
 from metaroce_api import parse_duration
+from metaroce_api.common import Toleration
 from metaroce_operator import __version__
 
 DEFAULT_NAMESPACE: Final = "metaroce-system"
@@ -24,9 +25,18 @@ ADMISSION_MODES: Final = ("webhook", "policy")
 """How annotated pods are mutated: by the pod webhook of every replica, or by a
 MutatingAdmissionPolicy per network that the operator renders (the chart picks)."""
 POD_SECURITY_LEVELS: Final = ("privileged", "baseline", "restricted")
+DEFAULT_AGENT_PRIORITY_CLASS: Final = "system-node-critical"
+DEFAULT_KUBELET_ROOT_DIR: Final = "/var/lib/kubelet"
+"""Where the kubelet keeps device-plugins/ and pod-resources/ (k0s: /var/lib/k0s/kubelet,
+microk8s: /var/snap/microk8s/common/var/lib/kubelet)."""
+PULL_POLICIES: Final = ("Always", "IfNotPresent", "Never")
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$")
+_LABEL_NAME = re.compile(
+    r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+)
 _IMAGE = re.compile(r"^[a-z0-9][a-z0-9._/:-]*(:[\w][\w.-]{0,127}|@sha256:[0-9a-f]{64})$")
 
 
@@ -117,6 +127,19 @@ class RenderSettings:
     agent_image_pull_secrets: tuple[str, ...] = ()
     """Secrets in the agents' namespace the agent pods pull with (the chart's
     imagePullSecrets, `--agent-image-pull-secret`)."""
+    agent_image_pull_policy: str = "IfNotPresent"
+    """imagePullPolicy of the agent container (the chart's agent.image.pullPolicy)."""
+    agent_tolerations: tuple[dict[str, Any], ...] = ()
+    """Tolerations every agent DaemonSet gets besides its network's (the chart's
+    agent.tolerations, `--agent-toleration`), e.g. for the GPU nodes' taints."""
+    agent_priority_class: str = DEFAULT_AGENT_PRIORITY_CLASS
+    """priorityClassName of the agent pods; empty = none (`--agent-priority-class`)."""
+    kubelet_root_dir: str = DEFAULT_KUBELET_ROOT_DIR
+    """The kubelet's root directory on the nodes (`--kubelet-root-dir`)."""
+    agent_pod_labels: tuple[tuple[str, str], ...] = ()
+    """Extra labels of the agent pods (`--agent-pod-label`); the operator's own win."""
+    agent_pod_annotations: tuple[tuple[str, str], ...] = ()
+    """Extra annotations of the agent pods (`--agent-pod-annotation`); the operator's win."""
 
     def __post_init__(self) -> None:
         check_namespace("--namespace", self.namespace)
@@ -153,12 +176,78 @@ class RenderSettings:
         check_image("--agent-image", self.agent_image)
         for image in self.extra_agent_images:
             check_image("--allowed-agent-image", image)
+        self._check_agent_pod_defaults()
+
+    def _check_agent_pod_defaults(self) -> None:
+        if self.agent_image_pull_policy not in PULL_POLICIES:
+            raise SettingsError(
+                "--agent-image-pull-policy",
+                self.agent_image_pull_policy,
+                "write Always, IfNotPresent or Never",
+            )
+        for toleration in self.agent_tolerations:
+            check_toleration("--agent-toleration", toleration)
+        if self.agent_priority_class and not _DNS_SUBDOMAIN.match(self.agent_priority_class):
+            raise SettingsError(
+                "--agent-priority-class",
+                self.agent_priority_class,
+                "name a PriorityClass (a DNS subdomain), or give '' for none",
+            )
+        root = self.kubelet_root_dir
+        if not root.startswith("/") or root != "/" + "/".join(p for p in root.split("/") if p):
+            raise SettingsError(
+                "--kubelet-root-dir",
+                root,
+                "give the kubelet's --root-dir as an absolute path without a trailing '/', "
+                "e.g. /var/lib/kubelet (k0s: /var/lib/k0s/kubelet)",
+            )
+        for flag, pairs in (
+            ("--agent-pod-label", self.agent_pod_labels),
+            ("--agent-pod-annotation", self.agent_pod_annotations),
+        ):
+            for key, value in pairs:
+                if not _LABEL_NAME.match(key):
+                    raise SettingsError(
+                        flag,
+                        f"{key}={value}",
+                        "a key is [prefix/]name: a DNS prefix and <= 63 chars",
+                    )
+                if flag == "--agent-pod-label" and not _LABEL_VALUE.match(value):
+                    raise SettingsError(
+                        flag,
+                        f"{key}={value}",
+                        "a label value is <= 63 letters, digits, '-', '_' or '.', starting and "
+                        "ending with a letter or digit",
+                    )
 
     @property
     def allowed_agent_images(self) -> tuple[str, ...]:
         """The agent images this operator runs: its default, then the flags' (exact
         references: a digest pins one build, a tag what the registry serves for it)."""
         return tuple(dict.fromkeys((self.agent_image, *self.extra_agent_images)))
+
+
+def check_toleration(flag: str, value: object) -> dict[str, Any]:
+    """A core/v1 Toleration as JSON, checked as the API checks spec.tolerations."""
+    if not isinstance(value, dict):
+        raise SettingsError(
+            flag,
+            value,
+            'give one toleration as a JSON object, e.g. {"key": '
+            '"nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}',
+        )
+    try:
+        return Toleration.model_validate(value).to_api()
+    except ValueError as exc:
+        raise SettingsError(flag, value, f"not a valid toleration: {exc}") from None
+
+
+def parse_key_value(flag: str, text: str) -> tuple[str, str]:
+    """`KEY=VALUE` of a label or annotation flag."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise SettingsError(flag, text, "write KEY=VALUE, e.g. team=ml")
+    return key, value
 
 
 def check_secret_ref(flag: str, value: str) -> tuple[str, str]:

@@ -47,13 +47,18 @@ def node_placement(network: MetaRoceNetwork) -> tuple[dict[str, str], dict[str, 
     return node_selector, affinity
 
 
-def tolerations(network: MetaRoceNetwork) -> list[dict[str, Any]]:
-    """The spec's tolerations plus the network's own taint, so an agent stays on a node
-    the operator tainted (it must keep reporting, or the node could never recover)."""
+def tolerations(
+    network: MetaRoceNetwork, cluster_defaults: tuple[dict[str, Any], ...] = ()
+) -> list[dict[str, Any]]:
+    """The spec's tolerations, the chart's cluster-wide ones (agent.tolerations), plus the
+    network's own taint, so an agent stays on a node the operator tainted (it must keep
+    reporting, or the node could never recover)."""
     own = {"key": c.UNHEALTHY_TAINT_KEY, "operator": "Exists", "effect": c.UNHEALTHY_TAINT_EFFECT}
-    out = [t.to_api() for t in network.spec.tolerations or []]
-    if own not in out:
-        out.append(own)
+    out: list[dict[str, Any]] = []
+    for toleration in [*(t.to_api() for t in network.spec.tolerations or []),
+                       *cluster_defaults, own]:  # fmt: skip
+        if toleration not in out:
+            out.append(toleration)
     return out
 
 
@@ -65,21 +70,30 @@ def render_daemonset(ctx: RenderContext) -> dict[str, Any]:
     spec = ctx.network.spec
     node_selector, affinity = node_placement(ctx.network)
     resources = spec.agent.resources
+    settings = ctx.settings
+    values = ctx.values()
     return render_template(
         "agent/daemonset.yaml.j2",
-        **ctx.values(),
+        **values,
         selector=ctx.selector,
         max_unavailable=spec.agent.update_strategy.max_unavailable,
         min_ready_seconds=MIN_READY_SECONDS,
+        # The chart's pod labels and annotations first: the operator's own keys win (the
+        # selector, the config hash that rolls the agents, the metrics port).
+        pod_labels={**dict(settings.agent_pod_labels), **values["labels"]},
         pod_annotations={
+            **dict(settings.agent_pod_annotations),
             c.CONFIG_HASH_ANNOTATION: ctx.config_hash,
             c.METRICS_PORT_ANNOTATION: str(spec.agent.metrics_port),
         },
         node_selector=node_selector,
         affinity=affinity,
-        tolerations=tolerations(ctx.network),
-        image=spec.agent.image or ctx.settings.agent_image,
-        pull_secrets=[{"name": name} for name in ctx.settings.agent_image_pull_secrets],
+        tolerations=tolerations(ctx.network, settings.agent_tolerations),
+        priority_class=settings.agent_priority_class,
+        image=spec.agent.image or settings.agent_image,
+        image_pull_policy=settings.agent_image_pull_policy,
+        pull_secrets=[{"name": name} for name in settings.agent_image_pull_secrets],
+        kubelet_root_dir=settings.kubelet_root_dir,
         config_dir=CONFIG_DIR,
         config_file=CONFIG_FILE,
         config_path=f"{CONFIG_DIR}/{CONFIG_FILE}",

@@ -41,6 +41,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -560,6 +561,37 @@ def _plugin_metrics(kube: Kube, node: str) -> dict[str, float]:
                 value
             )
     return found
+
+
+def test_2b_metaroce_test_rdma_moves_data(kube: Kube, operator: None) -> None:
+    """`metaroce test-rdma` (issue 17) as a user runs it: an annotated pod pair it makes
+    itself moves data, it prints bandwidth and latency, exits 0 and removes its pods."""
+    kube.kubectl("create", "namespace", POD_NAMESPACE, check=False)
+    env = {
+        **os.environ,
+        "KUBECONFIG": str(kube.kubeconfig),
+        "PATH": f"{Path(kube.kubectl_bin).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
+    nodes = ",".join(kube.nodes[:2])
+    t0 = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "metaroce_cli.main", "test-rdma", f"--nodes={nodes}",
+         f"--network={NETWORK}", f"--namespace={POD_NAMESPACE}", f"--image={kube.test_image}",
+         # TCG guests: one 64 KiB message in flight (see BW_FLAGS)
+         "--perftest-flags=-s 65536 -t 1", "--seconds=4", "--timeout=300"],
+        env=env, capture_output=True, text=True, timeout=420, check=False,
+    )  # fmt: skip
+    print(f"test-rdma took {time.monotonic() - t0:.1f} s:\n{done.stdout}{done.stderr}")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert re.search(r"bandwidth \(ib_write_bw, 4 s\): [\d.]+ Gb/s", done.stdout), done.stdout
+    assert re.search(r"latency \(ib_send_lat\): typical [\d.]+ us", done.stdout), done.stdout
+
+    def gone() -> bool:
+        selector = "app.kubernetes.io/name=metaroce-test-rdma"
+        pods = kube.kubectl("get", "pods", "-n", POD_NAMESPACE, "-l", selector, "-o", "name")
+        return not pods.stdout.strip()
+
+    _wait("test-rdma's pods to be removed", gone, 120)
 
 
 def test_3_kubelet_restart_keeps_the_resource(kube: Kube, operator: None) -> None:
