@@ -188,6 +188,7 @@ class Agent:
         )
         self.metrics.add_rdma_collector(self.collector)
         self.metrics.add_plugin_source(self._plugin_state)
+        self.transport_stats = self._transport_stats()
         self.kube = kube
         if self.kube is None and options.report:
             self.kube = KubeClient.load(options.kubeconfig)
@@ -396,6 +397,8 @@ class Agent:
             st.failing = frozenset(s.device for s, _ in drift.errors)
             self._feed_plugin()
             self._remove_unused_libraries()
+            if self.transport_stats is not None:
+                self.transport_stats.refresh(force=True)  # removes long-unowned directories
             if drift.repaired:
                 st.last_applied = now()
                 log.info(
@@ -437,6 +440,9 @@ class Agent:
                 socket_dir=self.options.device_plugin_dir,
                 device_env=frozenset(cfg.device_env),
                 on_allocate=self._record_allocation,
+                stats_dir_for=(
+                    None if self.transport_stats is None else self.transport_stats.dirs.create
+                ),
             )
         )
         self.plugin.start()
@@ -444,6 +450,35 @@ class Agent:
         log.info(
             "device plugin for %s started in %s", cfg.resource_name, self.options.device_plugin_dir
         )
+
+    # --- metaroce stats files ------------------------------------------------------------
+    def _transport_stats(self) -> Any:
+        """metaroce: the per-allocation stats directories and their exporter (else None)."""
+        if self.config.transport.mode != "metaroce":
+            return None
+        from metaroce_agent.exporter import TransportStatsCollector
+        from metaroce_agent.transport.stats import StatsDirectories, TransportStats
+
+        dirs = StatsDirectories(self.host, self.options.state_dir, self.config.network)
+        socket = self.options.pod_resources_socket
+        holders = None
+        if socket is not None and self.options.device_plugin_dir is not None:
+            holders = self._stats_holders(socket)
+        stats = TransportStats(dirs, holders)
+        self.metrics.add_transport_stats(TransportStatsCollector(self.config.network, stats))
+        return stats
+
+    def _stats_holders(self, socket: str) -> Any:
+        from metaroce_agent.deviceplugin.podresources import units_by_container
+        from metaroce_agent.transport.stats import ContainerRef
+
+        resource = self.config.resource_name
+
+        def holders() -> dict[Any, frozenset[str]]:
+            held = units_by_container(resource, socket)
+            return {ContainerRef(*key): units for key, units in held.items()}
+
+        return holders
 
     # --- metaroce library versions ---------------------------------------------------------
     @property
