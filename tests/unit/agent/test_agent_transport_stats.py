@@ -459,3 +459,36 @@ def test_the_real_library_writes_what_the_agent_exports(
     stats.dirs.grace = 0
     stats.refresh(force=True)
     assert not server_dir.exists() and not client_dir.exists()
+
+
+# --- the agent loop's wiring --------------------------------------------------------------------
+
+
+def test_the_agent_serves_stats_only_for_metaroce_networks(tmp_path: Path) -> None:
+    from conftest import make_config
+
+    from metaroce_agent.loop import Agent, AgentOptions
+
+    def agent(transport: dict[str, Any], qos: dict[str, Any], sockdir: Path) -> Agent:
+        cfg = make_config(nics={"interfaceNames": ["eth0"]}, transport=transport, qos=qos)
+        (tmp_path / "agent.yaml").write_text(cfg.to_yaml())
+        opts = AgentOptions(
+            config_path=tmp_path / "agent.yaml", node_name="node-1", report=False,
+            metrics_port=None, device_plugin_dir=sockdir,
+            pod_resources_socket=str(sockdir / "pr.sock"),
+        )  # fmt: skip
+        return Agent(opts, host=FixtureHost(tmp_path / "root"))
+
+    with tempfile.TemporaryDirectory(prefix="dpw-") as d:
+        mr = agent({"mode": "metaroce"}, {"profile": "lossy"}, Path(d))
+        assert mr.transport_stats is not None
+        text = mr.metrics.render().decode()
+        assert 'metaroce_transport_stats_unowned_allocations{network="rdma-a"} 0.0' in text
+        mr.start_plugin()
+        try:
+            assert mr.plugin.config.stats_dir_for == mr.transport_stats.dirs.create
+        finally:
+            mr.stop_plugin()
+        soft = agent({"mode": "softroce"}, {}, Path(d))
+        assert soft.transport_stats is None
+        assert "metaroce_transport_" not in soft.metrics.render().decode()
