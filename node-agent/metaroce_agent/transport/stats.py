@@ -336,8 +336,8 @@ class StatsDirectories:
         with self._lock:
             try:
                 root.mkdir(parents=True, exist_ok=True)
-                os.chown(root, 0, 0, follow_symlinks=False)
-                os.chmod(root, 0o700, follow_symlinks=False)
+                os.chown(root, 0, 0)  # the agent's own state directory: no pod reaches it
+                os.chmod(root, 0o700)
                 target = root / allocation
                 os.mkdir(target, 0o700)
                 os.chmod(target, 0o777)  # the pod's user is unknown here; see the docstring
