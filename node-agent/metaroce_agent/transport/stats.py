@@ -21,9 +21,9 @@ Everything in the directory is the pod's to forge, so the agent trusts none of i
 opens the directory and each `ep-*.json` relative to it with `O_NOFOLLOW` (a symlink is
 refused, not followed into the host) and `O_NONBLOCK` (a FIFO cannot hang the scrape),
 refuses what `fstat` says is not a regular file, reads at most `MAX_FILE_BYTES`, looks at
-no more than `MAX_FILES` files per directory, and validates the schema and every field's
-type. A refused file is counted by reason (`metaroce_transport_stats_files_refused_total`)
-and never fails a scrape.
+the newest `MAX_FILES` files of a directory only, and validates the schema and every
+field's type. A refused file is counted by reason
+(`metaroce_transport_stats_files_refused_total`) and never fails a scrape.
 
 Whose they are
 --------------
@@ -229,10 +229,18 @@ def read_directory(
         return out, refused
     try:
         with os.scandir(dfd) as it:
-            names = sorted(e.name for e in it if FILE_RE.fullmatch(e.name))
-        if len(names) > max_files:
-            refused["too-many"] += len(names) - max_files
-            names = names[:max_files]
+            entries = [
+                (e.stat(follow_symlinks=False).st_mtime_ns, e.name)
+                for e in it
+                if FILE_RE.fullmatch(e.name)
+            ]
+        # the newest files when there are too many: a live endpoint rewrites its file
+        # every second, so those of closed endpoints are the ones left out
+        entries.sort(reverse=True)
+        if len(entries) > max_files:
+            refused["too-many"] += len(entries) - max_files
+            del entries[max_files:]
+        names = sorted(name for _, name in entries)
         for name in names:
             try:
                 out[name] = parse_snapshot(read_bounded(dfd, name))

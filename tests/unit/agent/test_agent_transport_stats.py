@@ -132,11 +132,13 @@ def test_a_symlinked_directory_is_refused_and_files_are_capped(tmp_path: Path) -
     real.mkdir()
     for i in range(5):
         write(real, f"ep-{i}-1.json", snapshot())
+        os.utime(real / f"ep-{i}-1.json", (1000 + i, 1000 + i))
     (tmp_path / "link").symlink_to(real)
     got, refused = read_directory(str(tmp_path / "link"))
     assert not got and dict(refused) == {"symlink": 1}
     got, refused = read_directory(str(real), max_files=3)
-    assert len(got) == 3 and dict(refused) == {"too-many": 2}
+    assert sorted(got) == ["ep-2-1.json", "ep-3-1.json", "ep-4-1.json"]  # the newest
+    assert dict(refused) == {"too-many": 2}
     assert read_directory(str(tmp_path / "missing")) == ({}, {})
 
 
