@@ -38,12 +38,23 @@ from typing import Any
 from metaroce_agent.capabilities import Capabilities, probe_capabilities
 from metaroce_agent.discover import Inventory, discover
 from metaroce_agent.engine import ApplyResult, Engine, Journal
-from metaroce_agent.exporter import AgentMetrics, MetricsServer, RdmaCounterCollector
+from metaroce_agent.exporter import (
+    AgentMetrics,
+    MetricsServer,
+    RdmaCounterCollector,
+    TransportStatsCollector,
+)
 from metaroce_agent.host import Host
 from metaroce_agent.kube import METADATA_WATCH, KubeClient, KubeError, cluster_path
 from metaroce_agent.plan import Plan, make_plan, select_netdevs
 from metaroce_agent.primary import node_internal_ips, primary_interfaces, read_primary_facts
 from metaroce_agent.report import ErrorLog, NodeStateWriter, build_status, now
+from metaroce_agent.transport.stats import (
+    ContainerRef,
+    HoldersSource,
+    StatsDirectories,
+    TransportStats,
+)
 from metaroce_api import AgentConfig, MetaRoceNodeStateStatus, ProbeSummary, constants
 from metaroce_api.base import parse_duration
 
@@ -452,13 +463,10 @@ class Agent:
         )
 
     # --- metaroce stats files ------------------------------------------------------------
-    def _transport_stats(self) -> Any:
+    def _transport_stats(self) -> TransportStats | None:
         """metaroce: the per-allocation stats directories and their exporter (else None)."""
         if self.config.transport.mode != "metaroce":
             return None
-        from metaroce_agent.exporter import TransportStatsCollector
-        from metaroce_agent.transport.stats import StatsDirectories, TransportStats
-
         dirs = StatsDirectories(self.host, self.options.state_dir, self.config.network)
         socket = self.options.pod_resources_socket
         holders = None
@@ -468,13 +476,12 @@ class Agent:
         self.metrics.add_transport_stats(TransportStatsCollector(self.config.network, stats))
         return stats
 
-    def _stats_holders(self, socket: str) -> Any:
-        from metaroce_agent.deviceplugin.podresources import units_by_container
-        from metaroce_agent.transport.stats import ContainerRef
-
+    def _stats_holders(self, socket: str) -> HoldersSource:
         resource = self.config.resource_name
 
-        def holders() -> dict[Any, frozenset[str]]:
+        def holders() -> dict[ContainerRef, frozenset[str]]:
+            from metaroce_agent.deviceplugin.podresources import units_by_container  # grpcio
+
             held = units_by_container(resource, socket)
             return {ContainerRef(*key): units for key, units in held.items()}
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import grpc
 import pytest
+from conftest import make_config
 from fakes import FixtureHost
 
 from metaroce_agent.deviceplugin import DevicePlugin, PluginConfig
@@ -34,6 +35,7 @@ from metaroce_agent.deviceplugin.podresources import (
     units_by_container,
 )
 from metaroce_agent.exporter import AgentMetrics, TransportStatsCollector
+from metaroce_agent.loop import Agent, AgentOptions
 from metaroce_agent.transport.stats import (
     MAX_FILE_BYTES,
     SCHEMA,
@@ -467,10 +469,6 @@ def test_the_real_library_writes_what_the_agent_exports(
 
 
 def test_the_agent_serves_stats_only_for_metaroce_networks(tmp_path: Path) -> None:
-    from conftest import make_config
-
-    from metaroce_agent.loop import Agent, AgentOptions
-
     def agent(transport: dict[str, Any], qos: dict[str, Any], sockdir: Path) -> Agent:
         cfg = make_config(nics={"interfaceNames": ["eth0"]}, transport=transport, qos=qos)
         (tmp_path / "agent.yaml").write_text(cfg.to_yaml())
