@@ -425,6 +425,8 @@ class Agent:
             st.status = self._status(reverting=True)
             self._write(st.status)
             result = self.engine.revert()
+            if self.transport_stats is not None:  # what no pod holds goes with the network
+                self.transport_stats.refresh(force=True, grace=0)
             st.errors.set(
                 [(f"revert {name}", msg) for name, msg in result.errors]
                 + [(f"revert {name}", msg) for name, msg in result.left]

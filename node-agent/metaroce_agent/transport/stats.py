@@ -365,9 +365,11 @@ class StatsDirectories:
     def on_disk(self) -> list[str]:
         return [n for n in self.host.listdir(self.root) if not n.startswith(".")]
 
-    def remove_unowned(self, attribution: Attribution) -> list[str]:
-        """Remove the directories (and records) no container held for `grace` seconds,
-        directories without a record included; the ones removed."""
+    def remove_unowned(self, attribution: Attribution, grace: float | None = None) -> list[str]:
+        """Remove the directories (and records) no container held for `grace` seconds
+        (default: the instance's), directories without a record included; the ones
+        removed."""
+        grace = self.grace if grace is None else grace
         now = self.clock()
         with self._lock:
             records = self.records()
@@ -382,7 +384,7 @@ class StatsDirectories:
                 # the clock starts when this agent first sees it unowned: a new pod is
                 # listed a moment after its Allocate, and a restarted agent waits again
                 since = self._unowned_since.setdefault(a, now)
-                if now - since < self.grace:
+                if now - since < grace:
                     continue
                 path = self.host.path(self.host_dir(a))
                 # rmtree's fd-based walk does not follow symlinks the pod planted
@@ -497,8 +499,9 @@ class TransportStats:
         self.attribution_errors = 0
         self.last_error = ""
 
-    def refresh(self, force: bool = False) -> Attribution:
-        """Attribute the allocations (and remove the long-unowned ones)."""
+    def refresh(self, force: bool = False, grace: float | None = None) -> Attribution:
+        """Attribute the allocations (and remove the ones unowned for `grace` seconds,
+        default the directories'; 0 on revert: the network leaves the node)."""
         with self._lock:
             now = self.clock()
             fresh = self._refreshed is not None and now - self._refreshed < self.refresh_s
@@ -513,7 +516,7 @@ class TransportStats:
                 log.warning("stats attribution kept as it was: %s", e)
                 return self._attribution
             self._attribution = attribute(self.dirs.records(), held)
-            for a in self.dirs.remove_unowned(self._attribution):
+            for a in self.dirs.remove_unowned(self._attribution, grace):
                 log.info("removed stats directory %s: no pod holds it", self.dirs.host_dir(a))
             return self._attribution
 

@@ -881,3 +881,6 @@ def test_5_metaroce_network_rolls_out_and_pods_get_the_library(
             assert "25000-25999" not in g.run("tc filter show dev eth0 egress", check=True).stdout
             left = g.run(f"ls {MR_LIBDIR} 2>/dev/null || true", check=True).stdout.strip()
             assert not left, (g.name, left)
+            stats = f"/run/metaroce/agent/{MR_NETWORK}/stats"
+            left = g.run(f"ls {stats} 2>/dev/null || true", check=True).stdout.strip()
+            assert not left, (g.name, "stats directories of gone pods", left)

@@ -459,9 +459,13 @@ def test_the_real_library_writes_what_the_agent_exports(
     assert metric(text, "metaroce_transport_endpoints", pod="client", state="closed") == 1
     print(f"agent saw goodput (server, received) B/s: {[round(g) for g in goodputs]}")
     # the pods end: their directories go after the grace
-    lister.pods = []
-    stats.dirs.grace = 0
+    lister.pods = [pod("client", ["eth1-1"])]
     stats.refresh(force=True)
+    assert server_dir.exists()  # within the grace period
+    stats.refresh(force=True, grace=0)  # what a revert does
+    assert not server_dir.exists() and client_dir.exists()
+    lister.pods = []
+    stats.refresh(force=True, grace=0)
     assert not server_dir.exists() and not client_dir.exists()
 
 
