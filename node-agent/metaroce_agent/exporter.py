@@ -18,13 +18,16 @@ import logging
 import re
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from metaroce_agent.host import Host
+
+if TYPE_CHECKING:
+    from metaroce_agent.transport.stats import TransportStats
 
 log = logging.getLogger("metaroce.agent.exporter")
 
@@ -166,6 +169,130 @@ class DevicePluginCollector(Collector):
         yield from (registered, units, registrations)
 
 
+TRANSPORT_LABELS = ["network", "namespace", "pod", "container"]
+TRANSPORT_COUNTERS = {
+    "retransmits": ("metaroce_transport_retransmits", "Packets the pod's endpoints resent"),
+    "dup_rcvd": (
+        "metaroce_transport_duplicates_received",
+        "Duplicates the pod's endpoints received: the peers' spurious retransmits",
+    ),
+    "spurious_rtos": (
+        "metaroce_transport_spurious_rtos",
+        "Retransmit timeouts an ACK later showed premature",
+    ),
+    "rtos": ("metaroce_transport_rtos", "Retransmit timeouts"),
+    "tlps": ("metaroce_transport_tail_loss_probes", "Tail-loss probes sent"),
+    "ce_rcvd": ("metaroce_transport_ce_received", "Packets received with ECN CE marked"),
+    "ce_echoed": ("metaroce_transport_ce_echoed", "CE marks the peers echoed back to the pod"),
+    "sack_holes": ("metaroce_transport_sack_holes", "Packets the peers' SACKs showed lost"),
+    "pkts_sent": ("metaroce_transport_packets_sent", "Data packets sent"),
+    "pkts_rcvd": ("metaroce_transport_packets_received", "Data packets received"),
+    "bytes_sent": ("metaroce_transport_bytes_sent", "Payload bytes sent"),
+    "bytes_rcvd": ("metaroce_transport_bytes_received", "Payload bytes received"),
+    "msgs_sent": ("metaroce_transport_messages_sent", "Messages sent"),
+    "msgs_rcvd": ("metaroce_transport_messages_received", "Messages received"),
+    "path_failures": ("metaroce_transport_path_failures", "Paths declared failed"),
+    "rnr_waits": ("metaroce_transport_rnr_waits", "Waits for a receiver not ready"),
+    "conns_failed": ("metaroce_transport_connections_failed", "Connections that failed"),
+}
+"""Stats-file counter -> (metric, help). The names are literal so the chart's test can
+check that every metric its alerts and dashboard use is exported."""
+
+
+class TransportStatsCollector(Collector):
+    """The MetaRoCE transport's counters of the pods on this node, per network and
+    container (`transport.stats.TransportStats` reads and attributes the files).
+
+    Label cardinality: one series per container and counter, never per path or peer.
+    A pod's endpoints have up to 32 peers x 16 paths each, and path ids and peers change
+    with every job, so per-path RTT and window would multiply the series by hundreds and
+    churn them. They are exported as min, mean and max over the container's live paths
+    (`stat` label): the max shows a bad path, the mean the typical one, and the file in
+    the pod keeps the per-path detail.
+    """
+
+    def __init__(self, network: str, stats: TransportStats) -> None:
+        self.network = network
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        from metaroce_agent.transport.stats import REFUSE_REASONS
+
+        try:
+            containers, unowned = self.stats.read()
+        except Exception as e:  # a scrape never fails on the pods' files
+            log.error("reading the transport's stats files failed: %s", e)
+            containers, unowned = [], 0
+        counters = {
+            key: CounterMetricFamily(name, doc, labels=TRANSPORT_LABELS)
+            for key, (name, doc) in TRANSPORT_COUNTERS.items()
+        }
+        goodput = GaugeMetricFamily(
+            "metaroce_transport_goodput_bytes_per_second",
+            "Payload bytes per second over the endpoints' last snapshot interval",
+            labels=[*TRANSPORT_LABELS, "direction"],
+        )
+        endpoints = GaugeMetricFamily(
+            "metaroce_transport_endpoints",
+            "The pod's endpoints with a stats file, open or closed",
+            labels=[*TRANSPORT_LABELS, "state"],
+        )
+        paths = GaugeMetricFamily(
+            "metaroce_transport_paths",
+            "Paths of the pod's open endpoints, failed or not",
+            labels=[*TRANSPORT_LABELS, "state"],
+        )
+        srtt = GaugeMetricFamily(
+            "metaroce_transport_path_srtt_microseconds",
+            "Smoothed RTT over the pod's live paths (min, mean, max)",
+            labels=[*TRANSPORT_LABELS, "stat"],
+        )
+        min_rtt = GaugeMetricFamily(
+            "metaroce_transport_path_min_rtt_microseconds",
+            "Minimum RTT over the pod's live paths (min, mean, max)",
+            labels=[*TRANSPORT_LABELS, "stat"],
+        )
+        cwnd = GaugeMetricFamily(
+            "metaroce_transport_path_cwnd_packets",
+            "Congestion window over the pod's live paths (min, mean, max)",
+            labels=[*TRANSPORT_LABELS, "stat"],
+        )
+        for c in containers:
+            lv = [self.network, c.ref.namespace, c.ref.pod, c.ref.container]
+            agg = c.stats
+            for key, family in counters.items():
+                if key in agg.counters:
+                    family.add_metric(lv, agg.counters[key])
+            goodput.add_metric([*lv, "sent"], agg.goodput_sent)
+            goodput.add_metric([*lv, "received"], agg.goodput_rcvd)
+            endpoints.add_metric([*lv, "open"], agg.endpoints_open)
+            endpoints.add_metric([*lv, "closed"], agg.endpoints_closed)
+            paths.add_metric([*lv, "ok"], agg.paths - agg.paths_failed)
+            paths.add_metric([*lv, "failed"], agg.paths_failed)
+            per_path = ((srtt, agg.srtt_us), (min_rtt, agg.min_rtt_us), (cwnd, agg.cwnd))
+            for gauge, figures in per_path:
+                if figures is not None:
+                    for stat, value in zip(("min", "mean", "max"), figures, strict=True):
+                        gauge.add_metric([*lv, stat], value)
+        yield from counters.values()
+        yield from (goodput, endpoints, paths, srtt, min_rtt, cwnd)
+        unattributed = GaugeMetricFamily(
+            "metaroce_transport_stats_unowned_allocations",
+            "Stats directories no container on the node holds (removed after a grace period)",
+            labels=["network"],
+        )
+        unattributed.add_metric([self.network], unowned)
+        refused = CounterMetricFamily(
+            "metaroce_transport_stats_files_refused",
+            "Reads of stats files the agent refused (symlink, not regular, oversize, bad "
+            "JSON or schema, too many)",
+            labels=["network", "reason"],
+        )
+        for reason in REFUSE_REASONS:
+            refused.add_metric([self.network, reason], self.stats.refused.get(reason, 0))
+        yield from (unattributed, refused)
+
+
 class AgentMetrics:
     """The agent's own metrics, in one registry with the RDMA counters."""
 
@@ -219,6 +346,10 @@ class AgentMetrics:
     def add_plugin_source(self, source: PluginSource) -> None:
         """Report the device plugin's state (read from `source` at each scrape)."""
         self.registry.register(DevicePluginCollector(self.network, source))
+
+    def add_transport_stats(self, collector: TransportStatsCollector) -> None:
+        """Serve the MetaRoCE transport's per-pod counters."""
+        self.registry.register(collector)
 
     def add_rdma_collector(self, collector: RdmaCounterCollector) -> None:
         """Serve `collector`'s counters next to the registry (rendered by the collector)."""

@@ -38,12 +38,23 @@ from typing import Any
 from metaroce_agent.capabilities import Capabilities, probe_capabilities
 from metaroce_agent.discover import Inventory, discover
 from metaroce_agent.engine import ApplyResult, Engine, Journal
-from metaroce_agent.exporter import AgentMetrics, MetricsServer, RdmaCounterCollector
+from metaroce_agent.exporter import (
+    AgentMetrics,
+    MetricsServer,
+    RdmaCounterCollector,
+    TransportStatsCollector,
+)
 from metaroce_agent.host import Host
 from metaroce_agent.kube import METADATA_WATCH, KubeClient, KubeError, cluster_path
 from metaroce_agent.plan import Plan, make_plan, select_netdevs
 from metaroce_agent.primary import node_internal_ips, primary_interfaces, read_primary_facts
 from metaroce_agent.report import ErrorLog, NodeStateWriter, build_status, now
+from metaroce_agent.transport.stats import (
+    ContainerRef,
+    HoldersSource,
+    StatsDirectories,
+    TransportStats,
+)
 from metaroce_api import AgentConfig, MetaRoceNodeStateStatus, ProbeSummary, constants
 from metaroce_api.base import parse_duration
 
@@ -188,6 +199,7 @@ class Agent:
         )
         self.metrics.add_rdma_collector(self.collector)
         self.metrics.add_plugin_source(self._plugin_state)
+        self.transport_stats = self._transport_stats()
         self.kube = kube
         if self.kube is None and options.report:
             self.kube = KubeClient.load(options.kubeconfig)
@@ -396,6 +408,8 @@ class Agent:
             st.failing = frozenset(s.device for s, _ in drift.errors)
             self._feed_plugin()
             self._remove_unused_libraries()
+            if self.transport_stats is not None:
+                self.transport_stats.refresh(force=True)  # removes long-unowned directories
             if drift.repaired:
                 st.last_applied = now()
                 log.info(
@@ -411,6 +425,8 @@ class Agent:
             st.status = self._status(reverting=True)
             self._write(st.status)
             result = self.engine.revert()
+            if self.transport_stats is not None:  # what no pod holds goes with the network
+                self.transport_stats.refresh(force=True, grace=0)
             st.errors.set(
                 [(f"revert {name}", msg) for name, msg in result.errors]
                 + [(f"revert {name}", msg) for name, msg in result.left]
@@ -437,6 +453,9 @@ class Agent:
                 socket_dir=self.options.device_plugin_dir,
                 device_env=frozenset(cfg.device_env),
                 on_allocate=self._record_allocation,
+                stats_dir_for=(
+                    None if self.transport_stats is None else self.transport_stats.dirs.create
+                ),
             )
         )
         self.plugin.start()
@@ -444,6 +463,31 @@ class Agent:
         log.info(
             "device plugin for %s started in %s", cfg.resource_name, self.options.device_plugin_dir
         )
+
+    # --- metaroce stats files ------------------------------------------------------------
+    def _transport_stats(self) -> TransportStats | None:
+        """metaroce: the per-allocation stats directories and their exporter (else None)."""
+        if self.config.transport.mode != "metaroce":
+            return None
+        dirs = StatsDirectories(self.host, self.options.state_dir, self.config.network)
+        socket = self.options.pod_resources_socket
+        holders = None
+        if socket is not None and self.options.device_plugin_dir is not None:
+            holders = self._stats_holders(socket)
+        stats = TransportStats(dirs, holders)
+        self.metrics.add_transport_stats(TransportStatsCollector(self.config.network, stats))
+        return stats
+
+    def _stats_holders(self, socket: str) -> HoldersSource:
+        resource = self.config.resource_name
+
+        def holders() -> dict[ContainerRef, frozenset[str]]:
+            from metaroce_agent.deviceplugin.podresources import units_by_container  # grpcio
+
+            held = units_by_container(resource, socket)
+            return {ContainerRef(*key): units for key, units in held.items()}
+
+        return holders
 
     # --- metaroce library versions ---------------------------------------------------------
     @property

@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from metaroce_agent.transport.stats import STATS_CONTAINER_DIR, STATS_ENV
 from metaroce_api.metaroce_env import CONTAINER_DIR
 
 HEALTHY = "Healthy"
@@ -246,6 +247,24 @@ def _allocate_metaroce(ordered: Sequence[PluginDevice], resource_name: str) -> C
         rdma_devices=tuple(netdevs),
         mounts=(Mount(CONTAINER_DIR, dirs.pop(), read_only=True),),
     )
+
+
+def with_stats_dir(got: ContainerAllocation, host_dir: str) -> ContainerAllocation:
+    """A metaroce allocation plus its own stats directory, mounted read-write at
+    `STATS_CONTAINER_DIR`, named by `MR_STATS_DIR` and added to `MR_CONFIG` as `stats_dir=`.
+
+    The kubelet puts a container's own `env` after the device plugin's, and the runtime
+    keeps the last value of a name: a pod spec that sets `MR_CONFIG` (the webhook does, and
+    so may the user) replaces this `MR_CONFIG` whole. Such a job keeps its counters
+    exported by appending `stats_dir=$MR_STATS_DIR` to its own `MR_CONFIG`.
+    """
+    envs = dict(got.envs)
+    item = f"stats_dir={STATS_CONTAINER_DIR}"
+    config = envs.get("MR_CONFIG", "")
+    envs["MR_CONFIG"] = f"{config},{item}" if config else item
+    envs[STATS_ENV] = STATS_CONTAINER_DIR
+    mount = Mount(STATS_CONTAINER_DIR, host_dir, read_only=False)
+    return replace(got, envs=envs, mounts=(*got.mounts, mount))
 
 
 # --- GetPreferredAllocation ------------------------------------------------------------------

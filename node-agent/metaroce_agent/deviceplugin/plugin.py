@@ -62,6 +62,7 @@ from metaroce_agent.deviceplugin.devices import (
     index,
     preferred,
     units,
+    with_stats_dir,
 )
 from metaroce_api import constants
 
@@ -98,6 +99,9 @@ class PluginConfig:
     on_allocate: Callable[[tuple[str, ...], ContainerAllocation], None] | None = None
     """Called after every successful Allocate of a container (the agent records which
     library version each metaroce unit was handed)."""
+    stats_dir_for: Callable[[tuple[str, ...]], str] | None = None
+    """metaroce: a new stats directory (host path) for one container's units; Allocate
+    mounts it read-write (`devices.with_stats_dir`). None = no stats directories."""
 
     @property
     def socket_path(self) -> Path:
@@ -440,6 +444,11 @@ class _Servicer:
                 log.warning("Allocate refused: %s", exc)
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
                 raise  # abort raises; this keeps type checkers honest
+            if cfg.stats_dir_for is not None and got.mounts:
+                try:
+                    got = with_stats_dir(got, cfg.stats_dir_for(tuple(req.devices_ids)))
+                except Exception:  # no counters is better than no pod
+                    log.exception("no stats directory for %s", list(req.devices_ids))
             if cfg.on_allocate is not None:
                 try:
                     cfg.on_allocate(tuple(req.devices_ids), got)

@@ -30,6 +30,14 @@ def allocated_units(
     resource_name: str, socket: str = POD_RESOURCES_SOCKET, timeout: float = 5.0
 ) -> set[str]:
     """Device IDs of `resource_name` that containers on this node hold."""
+    return set().union(*units_by_container(resource_name, socket, timeout).values())
+
+
+def units_by_container(
+    resource_name: str, socket: str = POD_RESOURCES_SOCKET, timeout: float = 5.0
+) -> dict[tuple[str, str, str], frozenset[str]]:
+    """(namespace, pod, container) -> the device IDs of `resource_name` it holds (only
+    containers that hold some)."""
     try:
         with grpc.insecure_channel(f"unix://{socket}") as channel:
             stub = podresources_pb2_grpc.PodResourcesListerStub(channel)
@@ -39,11 +47,15 @@ def allocated_units(
             f"the kubelet's PodResources API at {socket} did not answer ({e.code().name}): "
             "mount /var/lib/kubelet/pod-resources into the agent"
         ) from e
-    return {
-        unit
-        for pod in response.pod_resources
-        for container in pod.containers
-        for devices in container.devices
-        if devices.resource_name == resource_name
-        for unit in devices.device_ids
-    }
+    out: dict[tuple[str, str, str], frozenset[str]] = {}
+    for pod in response.pod_resources:
+        for container in pod.containers:
+            units = frozenset(
+                unit
+                for devices in container.devices
+                if devices.resource_name == resource_name
+                for unit in devices.device_ids
+            )
+            if units:
+                out[(pod.namespace, pod.name, container.name)] = units
+    return out

@@ -677,6 +677,24 @@ MR_LIBDIR = "/run/metaroce/transport/" + MR_NETWORK
 MR_BIN = "/opt/metaroce-transport/bin"
 
 
+def _transport_metric(kube: Kube, node: str, counter: str, pod: str) -> float:
+    """`metaroce_transport_<counter>_total` of `pod` in the metaroce agent's /metrics on
+    `node` (scraped inside the agent's pod); 0 while it has none."""
+    agent = next(p for p in _mr_agents(kube) if p["spec"]["nodeName"] == node)
+    scrape = (
+        "import urllib.request; print(urllib.request.urlopen("
+        f"'http://127.0.0.1:{constants.AGENT_METRICS_PORT}/metrics').read().decode())"
+    )
+    out = kube.kubectl(
+        "exec", "-n", NAMESPACE, agent["metadata"]["name"], "--", "python3", "-c", scrape
+    ).stdout
+    for line in out.splitlines():
+        if line.startswith(f"metaroce_transport_{counter}_total{{") and f'pod="{pod}"' in line:
+            assert f'namespace="{MR_POD_NAMESPACE}"' in line and f'network="{MR_NETWORK}"' in line
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def _metaroce_network() -> str:
     return yaml.safe_dump(
         {
@@ -812,7 +830,8 @@ def test_5_metaroce_network_rolls_out_and_pods_get_the_library(
         server = subprocess.Popen(
             [kube.kubectl_bin, f"--kubeconfig={kube.kubeconfig}", "exec", "-n",
              MR_POD_NAMESPACE, "mr-b", "--", "sh", "-c",
-             f'exec {MR_BIN}/metaroce-perf server --once --config "$MR_CONFIG,addr={ip_b}"'],
+             f'exec {MR_BIN}/metaroce-perf server --once '
+             f'--config "$MR_CONFIG,addr={ip_b},stats_dir=$MR_STATS_DIR"'],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
         try:
@@ -825,7 +844,8 @@ def test_5_metaroce_network_rolls_out_and_pods_get_the_library(
             out = run(
                 "mr-a",
                 f"{MR_BIN}/metaroce-perf client {m.group(1)} --mode bw "
-                f'--size 65536 --duration 2 --json --config "$MR_CONFIG,addr={ip_a}"',
+                f"--size 65536 --duration 2 --json "
+                f'--config "$MR_CONFIG,addr={ip_a},stats_dir=$MR_STATS_DIR"',
                 timeout=120,
             )
             result = json.loads(out.strip().splitlines()[-1])
@@ -838,6 +858,22 @@ def test_5_metaroce_network_rolls_out_and_pods_get_the_library(
         finally:
             server.kill()
             server.wait()
+
+        # the library's stats files, in each pod's own directory, exported by its agent
+        for name in names:
+            assert run(name, 'echo "$MR_STATS_DIR"').strip() == "/run/metaroce-stats"
+            assert "ep-" in run(name, "ls /run/metaroce-stats"), name
+        sent = received = 0.0
+
+        def exported() -> bool:
+            nonlocal sent, received
+            sent = _transport_metric(kube, nodes[0], "bytes_sent", "mr-a")
+            received = _transport_metric(kube, nodes[1], "bytes_received", "mr-b")
+            return sent > 0 and received > 0
+
+        took = _wait("the pods' transport counters in the agents' /metrics", exported, 60, 2)
+        figures.append(f"metaroce: the pods' stats exported by the agents {took:.1f} s after")
+        assert received >= result["bytes"], (received, result)
 
         if real is not None and real.guests is not None:
             # a version no pod holds goes once an agent passes again (here: a rollout); the
@@ -877,3 +913,6 @@ def test_5_metaroce_network_rolls_out_and_pods_get_the_library(
             assert "25000-25999" not in g.run("tc filter show dev eth0 egress", check=True).stdout
             left = g.run(f"ls {MR_LIBDIR} 2>/dev/null || true", check=True).stdout.strip()
             assert not left, (g.name, left)
+            stats = f"/run/metaroce/agent/{MR_NETWORK}/stats"
+            left = g.run(f"ls {stats} 2>/dev/null || true", check=True).stdout.strip()
+            assert not left, (g.name, "stats directories of gone pods", left)

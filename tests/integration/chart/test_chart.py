@@ -206,6 +206,7 @@ def test_alerts_and_dashboard_use_real_metric_names(cluster: LocalCluster) -> No
         "MetaRoceNodeQoSDrift",
         "MetaRoceRdmaProbeLoss",
         "MetaRoceDevicePluginNotRegistered",
+        "MetaRoceTransportRetransmits",
     } <= alerts
     dashboard = chart.find(docs, "ConfigMap")["data"]["metaroce-fabric.json"]
     json.loads(dashboard)
