@@ -16,12 +16,24 @@ pub struct EpConfig {
     pub sock_buf: usize,
     /// Where the stats file goes (`stats`), if anywhere.
     pub stats_dir: Option<std::path::PathBuf>,
+    /// `stats_dir` came from MR_STATS_DIR, not from the configuration: a missing
+    /// directory there means no stats, not a failed endpoint.
+    pub stats_dir_optional: bool,
     pub core: Config,
 }
 
 impl Default for EpConfig {
     fn default() -> Self {
-        Self { addr: None, ports: None, progress_thread: true, dscp: 0, sock_buf: 8 << 20, stats_dir: None, core: Config::default() }
+        Self {
+            addr: None,
+            ports: None,
+            progress_thread: true,
+            dscp: 0,
+            sock_buf: 8 << 20,
+            stats_dir: None,
+            stats_dir_optional: false,
+            core: Config::default(),
+        }
     }
 }
 
@@ -33,14 +45,28 @@ fn num<T: std::str::FromStr>(key: &str, v: &str, allowed: &str) -> Result<T, Str
 }
 
 impl EpConfig {
-    /// Parse MR_CONFIG (if set) and then `s`; later keys win.
+    /// Parse MR_CONFIG (if set) and then `s`; later keys win. Without `stats_dir`
+    /// there, MR_STATS_DIR (the per-allocation directory the node agent's device
+    /// plugin mounts into a pod) is used when it is an absolute path: a pod spec's
+    /// own MR_CONFIG replaces the device plugin's, which named it.
     pub fn from_env_and(s: Option<&str>) -> Result<Self, String> {
+        let stats_env = std::env::var_os("MR_STATS_DIR");
+        Self::parse(std::env::var("MR_CONFIG").ok().as_deref(), s, stats_env.as_deref().map(std::path::Path::new))
+    }
+
+    fn parse(env: Option<&str>, s: Option<&str>, stats_env: Option<&std::path::Path>) -> Result<Self, String> {
         let mut c = EpConfig::default();
-        if let Ok(env) = std::env::var("MR_CONFIG") {
-            c.apply(&env).map_err(|e| format!("MR_CONFIG: {e}"))?;
+        if let Some(env) = env {
+            c.apply(env).map_err(|e| format!("MR_CONFIG: {e}"))?;
         }
         if let Some(s) = s {
             c.apply(s)?;
+        }
+        if c.stats_dir.is_none() {
+            if let Some(dir) = stats_env.filter(|d| d.is_absolute()) {
+                c.stats_dir = Some(dir.to_path_buf());
+                c.stats_dir_optional = true;
+            }
         }
         c.core.validate().map_err(|e| format!("config {e}"))?;
         Ok(c)
@@ -125,5 +151,19 @@ mod tests {
         assert!(c.apply("stats_dir=/run/x").is_ok() && c.stats_dir.as_deref() == Some("/run/x".as_ref()));
         c.core.paths = 40;
         assert!(c.core.validate().unwrap_err().contains("paths=40"));
+    }
+
+    #[test]
+    fn mr_stats_dir_is_the_fallback_for_stats_dir() {
+        let p = |env: Option<&str>, dir: &str| EpConfig::parse(env, None, Some(std::path::Path::new(dir))).unwrap();
+        let c = p(Some("paths=4"), "/run/metaroce-stats");
+        assert_eq!(c.stats_dir.as_deref(), Some("/run/metaroce-stats".as_ref()));
+        assert!(c.stats_dir_optional);
+        // The configuration's own stats_dir wins, and stays required.
+        let c = p(Some("stats_dir=/tmp/s"), "/run/metaroce-stats");
+        assert_eq!(c.stats_dir.as_deref(), Some("/tmp/s".as_ref()));
+        assert!(!c.stats_dir_optional);
+        // A relative MR_STATS_DIR is ignored.
+        assert_eq!(p(None, "run/x").stats_dir, None);
     }
 }

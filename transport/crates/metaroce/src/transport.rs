@@ -300,7 +300,11 @@ impl Transport {
         st.io.sndbuf = st.socks[0].sndbuf as u64;
         let local = st.socks[0].local;
         if let Some(dir) = &cfg.stats_dir {
-            st.stats = Some(StatsFile::new(dir, std::process::id(), local.port())?);
+            match StatsFile::new(dir, std::process::id(), local.port()) {
+                Ok(f) => st.stats = Some(f),
+                Err(e) if cfg.stats_dir_optional => eprintln!("metaroce: MR_STATS_DIR: {e}; no stats file"),
+                Err(e) => return Err(e),
+            }
         }
         let inner = Arc::new(Inner {
             state: Mutex::new(st),
