@@ -28,6 +28,7 @@ from metaroce_api import (
     TransportSummary,
 )
 from metaroce_api import constants as c
+from metaroce_api.network import AgentUpdateStatus
 from metaroce_operator.observed import DaemonSetView, NodeReport
 from metaroce_operator.probes import Verdict
 
@@ -77,6 +78,8 @@ class Observed:
     yielded: Sequence[str] = ()
     """Conflicts with newer networks whose rollout is held: Degraded, still Ready."""
     taint_note: str = ""
+    agent_update: AgentUpdateStatus | None = None
+    """The upgrade policy's state (upgrade.py); shown only when paused or a node holds."""
     cleanup: CleanupView | None = None
     error: tuple[str, str] | None = None
     """(reason, message) when the spec is invalid or rendering failed."""
@@ -395,6 +398,12 @@ def compute_status(
         nodes=counts,
         failing_nodes=t.failing or None,
         transport=_transport(t.modes),
+        agent_update=(
+            obs.agent_update
+            if obs.agent_update is not None
+            and (obs.agent_update.paused or obs.agent_update.held_nodes)
+            else None
+        ),
     )
 
 

@@ -70,6 +70,9 @@ def render_daemonset(ctx: RenderContext) -> dict[str, Any]:
         **ctx.values(),
         selector=ctx.selector,
         max_unavailable=spec.agent.update_strategy.max_unavailable,
+        # Paused, or a node holds off updates (the operator replaces the others' agents,
+        # upgrade.py): the DaemonSet controller replaces none.
+        on_delete=spec.agent.update_strategy.paused or ctx.nodes_holding,
         min_ready_seconds=MIN_READY_SECONDS,
         pod_annotations={
             c.CONFIG_HASH_ANNOTATION: ctx.config_hash,
