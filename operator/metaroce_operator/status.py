@@ -363,6 +363,14 @@ def compute_status(
             message = f"{ds.updated}/{desired} agents updated, {ds.available} available"
         else:
             message = "applying the agent DaemonSet"
+        update = obs.agent_update
+        if update is not None and update.paused:
+            message += "; paused (spec.agent.updateStrategy.paused): no agent is replaced"
+        elif update is not None and update.holding:
+            message += (
+                f"; {update.holding} node(s) hold off agent updates until their deadline "
+                "(status.agentUpdate)"
+            )
         progressing = (True, c.REASON_ROLLING_OUT, message)
     elif waiting:
         progressing = (

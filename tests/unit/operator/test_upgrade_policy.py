@@ -145,3 +145,34 @@ def test_max_hold_is_validated_naming_field_value_and_fix(value: str) -> None:
     text = str(err.value)
     assert "spec.agent.updateStrategy.maxHold" in text
     assert "between 1m and 168h" in text and "24h" in text and repr(value) in text
+
+
+def test_holds_and_a_pause_show_in_status_issue_16_17() -> None:
+    from dataclasses import replace
+
+    from metaroce_operator.observed import DaemonSetView
+    from metaroce_operator.status import Observed, compute_status
+
+    ds = DaemonSetView(
+        generation=2, observed_generation=2, desired=3, current=3, updated=2, available=3, ready=3
+    )
+    soon = (NOW + timedelta(hours=1)).strftime(c.UPDATE_HOLD_FORMAT)
+    holds = upgrade.read_holds(["a"], {"a": {c.UPDATE_HOLD_LABEL: soon}}, NOW, DAY)
+    obs = Observed(
+        network=network("net", generation=2),
+        applied_generation=2,
+        config_generation=2,
+        daemonset=ds,
+        agent_update=upgrade.update_status(False, holds),
+    )
+    status = compute_status(obs, None, NOW)
+    assert status.agent_update is not None and status.agent_update.holding == 1
+    progressing = next(x for x in status.conditions or [] if x.type == c.CONDITION_PROGRESSING)
+    assert "1 node(s) hold off agent updates" in progressing.message
+    paused = compute_status(replace(obs, agent_update=upgrade.update_status(True, ())), None, NOW)
+    assert paused.agent_update is not None and paused.agent_update.paused
+    progressing = next(x for x in paused.conditions or [] if x.type == c.CONDITION_PROGRESSING)
+    assert "paused" in progressing.message
+    # Nothing to show: no field (no status churn for networks that use neither).
+    plain = compute_status(replace(obs, agent_update=upgrade.update_status(False, ())), None, NOW)
+    assert plain.agent_update is None
