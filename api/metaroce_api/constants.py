@@ -73,6 +73,14 @@ NODE_REVERT: Final = "revert"
 nodeSelector and its agent must revert it first (cleanupOnDelete)."""
 
 
+UPDATE_HOLD_LABEL: Final = f"{GROUP}/hold-agent-update"
+"""A node opts out of agent updates while a job runs: the value is the hold's deadline in
+UTC, ISO 8601 basic format (`20261201T200000Z`), at most the network's
+`spec.agent.updateStrategy.maxHold` ahead (the operator's upgrade.py). Not under
+NODE_LABEL_PREFIX: the operator never writes it."""
+UPDATE_HOLD_FORMAT: Final = "%Y%m%dT%H%M%SZ"
+
+
 def node_label(network: str) -> str:
     """`metaroce.io/agent-<network>`, the name part cut to 63 characters with a hash."""
     name = "agent-" + network

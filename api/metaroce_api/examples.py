@@ -99,7 +99,7 @@ def full_network(name: str = "example") -> dict[str, Any]:
                     "requests": {"cpu": "100m", "memory": "128Mi"},
                     "limits": {"memory": "512Mi"},
                 },
-                "updateStrategy": {"maxUnavailable": "10%"},
+                "updateStrategy": {"maxUnavailable": "10%", "paused": False, "maxHold": "24h"},
                 "logLevel": "info",
                 "driftInterval": "5m",
                 "metricsPort": 9478,

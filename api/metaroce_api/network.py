@@ -674,6 +674,13 @@ class UpdateStrategy(ApiModel):
 
     max_unavailable: Annotated[int | str, Field(json_schema_extra={"maxLength": 4})] = 1
     """Agents restarted at once: a count (>= 1) or a percentage such as `10%`."""
+    paused: bool = False
+    """Replace no agent (the DaemonSet's `OnDelete`): a changed spec reaches a node only
+    when its agent pod is deleted. Unpause to let the rollout go on."""
+    max_hold: Duration = "24h"
+    """The longest a node may hold off agent updates with the label
+    `metaroce.io/hold-agent-update=<deadline>` (a job running there); a hold further ahead
+    is not honoured, and an expired one ends by itself. Between 1m and 168h."""
 
     cel_rules = (
         Rule(
@@ -693,6 +700,22 @@ class UpdateStrategy(ApiModel):
                 field="spec.agent.updateStrategy.maxUnavailable",
             ),
             accepts=Case(_spec(agent={"updateStrategy": {"maxUnavailable": "25%"}})),
+        ),
+        Rule(
+            name="max-hold-range",
+            cel="duration(self.maxHold) >= duration('1m') && duration(self.maxHold) <= "
+            "duration('168h')",
+            field=".maxHold",
+            message=(
+                "maxHold must be between 1m and 168h (a week): a node cannot hold off agent "
+                "updates for longer; write e.g. 24h"
+            ),
+            check=lambda s: 60 <= parse_duration(s.max_hold).total_seconds() <= 168 * 3600,
+            rejects=Case(
+                _spec(agent={"updateStrategy": {"maxHold": "200h"}}),
+                field="spec.agent.updateStrategy.maxHold",
+            ),
+            accepts=Case(_spec(agent={"updateStrategy": {"maxHold": "48h"}})),
         ),
     )
 
@@ -808,6 +831,33 @@ class TransportSummary(StatusModel):
     """Configured nodes per transport, e.g. {rocev2: 30, softroce: 2}."""
 
 
+class HeldNode(StatusModel):
+    """A node holding off agent updates (`metaroce.io/hold-agent-update`)."""
+
+    node: NodeName
+    until: Annotated[str, Field(max_length=32)] = ""
+    """The hold's deadline (RFC 3339), empty when the label's value is not one."""
+    state: Literal["holding", "expired", "refused"] = "holding"
+    """`holding`: its agent is not replaced until `until`; `expired`: past the deadline,
+    updated like any node; `refused`: the label's value is not honoured (see message)."""
+    message: ShortText = ""
+
+
+class AgentUpdateStatus(StatusModel):
+    """How the agents' rollout proceeds (spec.agent.updateStrategy)."""
+
+    strategy: Literal["RollingUpdate", "OnDelete"] = "RollingUpdate"
+    """The DaemonSet's: `OnDelete` while paused or while a node holds (the operator then
+    replaces the other nodes' agents itself, maxUnavailable at a time)."""
+    paused: bool = False
+    holding: Annotated[int, Field(ge=0)] = 0
+    """Nodes whose hold is honoured now."""
+    held_nodes: (
+        Annotated[list[HeldNode], Field(max_length=10), ListType("map", ("node",))] | None
+    ) = None
+    """Up to 10 nodes with the hold label, holding ones first."""
+
+
 class MetaRoceNetworkStatus(StatusModel):
     """What the operator observes; written through the status subresource."""
 
@@ -820,6 +870,7 @@ class MetaRoceNetworkStatus(StatusModel):
     ) = None
     """Up to 10 failing nodes; `nodes.failed` has the full count."""
     transport: TransportSummary | None = None
+    agent_update: AgentUpdateStatus | None = None
 
 
 class MetaRoceNetwork(ApiModel):

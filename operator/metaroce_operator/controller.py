@@ -28,9 +28,9 @@ from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from metaroce_api import InvalidObject, MetaRoceNetwork, validate_network
+from metaroce_api import InvalidObject, MetaRoceNetwork, parse_duration, validate_network
 from metaroce_api import constants as c
-from metaroce_operator import cleanup, crash, events, metrics, probes, taints
+from metaroce_operator import cleanup, crash, events, metrics, probes, taints, upgrade
 from metaroce_operator.apply import ApplyFailed, apply_children
 from metaroce_operator.claim import CLAIM_ANNOTATION, claim_patch, claimant, split_claim
 from metaroce_operator.conflicts import (
@@ -55,7 +55,13 @@ from metaroce_operator.observed import (
 )
 from metaroce_operator.probekey import ensure_probe_key, probe_key_secret
 from metaroce_operator.render import RenderContext, config_generation, render_network
-from metaroce_operator.render.common import agent_config, anchor_kind, child_name, config_hash
+from metaroce_operator.render.common import (
+    agent_config,
+    anchor_kind,
+    child_name,
+    config_hash,
+    selector_labels,
+)
 from metaroce_operator.render.podpolicy import policy_name
 from metaroce_operator.settings import OperatorSettings
 from metaroce_operator.status import (
@@ -83,6 +89,9 @@ CLUSTERROLE = KINDS[("rbac.authorization.k8s.io/v1", "ClusterRole")]
 CLUSTERROLEBINDING = KINDS[("rbac.authorization.k8s.io/v1", "ClusterRoleBinding")]
 NAMESPACE = KINDS[("v1", "Namespace")]
 NODE = KINDS[("v1", "Node")]
+POD = KINDS[("v1", "Pod")]
+DAEMONSET = KINDS[("apps/v1", "DaemonSet")]
+CONTROLLER_REVISION = KINDS[("apps/v1", "ControllerRevision")]
 POD_POLICY = KINDS[("admissionregistration.k8s.io/v1", "MutatingAdmissionPolicy")]
 POD_POLICY_BINDING = KINDS[("admissionregistration.k8s.io/v1", "MutatingAdmissionPolicyBinding")]
 OS_LABEL = "kubernetes.io/os"
@@ -135,6 +144,10 @@ class Store:
         policy mode) this process has deleted, once per network."""
         self.foreign: dict[str, str] = {}
         """Networks claimed by another operator (see `claim`): network -> its Lease."""
+        self.holds: dict[str, tuple[upgrade.Hold, ...]] = {}
+        """network -> its nodes' holds of agent updates (see upgrade.py)."""
+        self.rendered_holding: dict[str, bool] = {}
+        """network -> whether its DaemonSet was last applied as `OnDelete` for a hold."""
         self.revert_asked: dict[tuple[str, str], float] = {}
         """(network, node) -> when the node's label asked its agent to revert
         (`time.monotonic()`; see nodelabels.py)."""
@@ -162,6 +175,8 @@ class Store:
             self.conflicts,
             self.yielded,
             self.held,
+            self.holds,
+            self.rendered_holding,
             self.taint_notes,
             self.unhealthy,
             self.rendered,
@@ -531,7 +546,10 @@ class Controller:
             # First: a child that exists without it would be collected unreverted if the
             # network were deleted before the finalizer came.
             await cleanup.set_finalizer(self.kube, name, True, c.FIELD_MANAGER)
-        children = render_network(network, self.settings.render, config_generation=config_gen)
+        holding = bool(upgrade.holding(self.store.holds.get(name, ())))
+        children = render_network(
+            network, self.settings.render, config_generation=config_gen, nodes_holding=holding
+        )
         if network.spec.cleanup_on_delete and network.metadata.uid:
             # The anchor (the ClusterRole, or the ClusterRoleBinding with the chart's shared
             # ClusterRole) owns the other children and the namespace owns it (see
@@ -544,6 +562,7 @@ class Controller:
                 self.settings.render,
                 config_generation=config_gen,
                 namespace_uid=ns_uid,
+                nodes_holding=holding,
             )
             role = await self._apply(name, anchored()[:1])
             anchor_uid = str(role[0]["metadata"]["uid"])
@@ -565,6 +584,7 @@ class Controller:
             str(o["kind"]): o for o in children if o["kind"] in DRIFT_CHECKED
         }
         self.store.applied[name] = Applied(generation, config_gen, digest)
+        self.store.rendered_holding[name] = holding
         self.store.errors.pop(name, None)
         log.info(
             "applied the children of %s (generation %d, agent config of generation %d)",
@@ -734,6 +754,9 @@ class Controller:
             held=self.store.held.get(name, ()),
             yielded=self.store.yielded.get(name, ()),
             taint_note=self.store.taint_notes.get(name, ""),
+            agent_update=upgrade.update_status(
+                network.spec.agent.update_strategy.paused, self.store.holds.get(name, ())
+            ),
             cleanup=cleanup_view,
             error=error,
         )
@@ -874,6 +897,61 @@ class Controller:
             if self._mine(self.store.networks.get(name) or {}):
                 await self._node_labels(name, network)
                 await self._taints(name, network, known)
+                await self._agent_updates(name, network, labels)
+
+    async def _agent_updates(
+        self, name: str, network: MetaRoceNetwork, labels: Mapping[str, Mapping[str, str]]
+    ) -> None:
+        """The upgrade policy (upgrade.py): read the nodes' holds; switch the DaemonSet
+        between RollingUpdate and OnDelete as they come and go; while a node holds, replace
+        the other nodes' outdated agents, maxUnavailable at a time."""
+        strategy = network.spec.agent.update_strategy
+        holds = upgrade.read_holds(
+            self.store.eligible.get(name, frozenset()),
+            labels,
+            now_utc(),
+            parse_duration(strategy.max_hold),
+        )
+        if self.store.holds.get(name, ()) != holds:
+            self.store.holds[name] = holds
+            self.batch.mark(name)
+        held = upgrade.holding(holds)
+        rendered = self.store.rendered_holding.get(name)
+        if rendered is not None and rendered != bool(held):
+            why = "a node holds off agent updates" if held else "no node holds agent updates"
+            self._reconcile_later(name, why)
+            return
+        if not held or strategy.paused or not rendered:
+            return
+        await self._replace_outdated_agents(name, network, held)
+
+    async def _replace_outdated_agents(
+        self, name: str, network: MetaRoceNetwork, held: frozenset[str]
+    ) -> None:
+        namespace = self.settings.render.namespace
+        ds = await self.kube.get_or_none(DAEMONSET, child_name(name), namespace)
+        if ds is None:
+            return
+        selector = ",".join(f"{k}={v}" for k, v in sorted(selector_labels(name).items()))
+        revisions = await self.kube.list_items(
+            CONTROLLER_REVISION, namespace, label_selector=selector
+        )
+        revision = upgrade.current_revision(revisions, str(ds["metadata"]["uid"]))
+        if revision is None:
+            return
+        pods = [
+            upgrade.AgentPod.from_body(p)
+            for p in await self.kube.list_items(POD, namespace, label_selector=selector)
+        ]
+        nodes = self.store.eligible.get(name, frozenset())
+        strategy = network.spec.agent.update_strategy
+        budget = upgrade.scaled_max_unavailable(strategy.max_unavailable, len(nodes))
+        min_ready = float((ds.get("spec") or {}).get("minReadySeconds") or 0)
+        for pod in upgrade.pods_to_replace(
+            pods, revision, nodes, held, budget, now_utc(), min_ready
+        ):
+            if await self.kube.delete(POD, pod, namespace):
+                log.info("%s: replaced the outdated agent %s (other nodes hold updates)", name, pod)
 
     async def _node_labels(self, name: str, network: MetaRoceNetwork) -> None:
         """The network's node label on the nodes it selects, and off those that left

@@ -140,6 +140,7 @@ def _kinds() -> dict[tuple[str, str], Kind]:
         Kind("v1", "Event", "events", True),
         Kind("v1", "Pod", "pods", True),
         Kind("apps/v1", "DaemonSet", "daemonsets", True),
+        Kind("apps/v1", "ControllerRevision", "controllerrevisions", True),
         Kind("rbac.authorization.k8s.io/v1", "ClusterRole", "clusterroles", False),
         Kind("rbac.authorization.k8s.io/v1", "ClusterRoleBinding", "clusterrolebindings", False),
         Kind("rbac.authorization.k8s.io/v1", "Role", "roles", True),

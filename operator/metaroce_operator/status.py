@@ -28,6 +28,7 @@ from metaroce_api import (
     TransportSummary,
 )
 from metaroce_api import constants as c
+from metaroce_api.network import AgentUpdateStatus
 from metaroce_operator.observed import DaemonSetView, NodeReport
 from metaroce_operator.probes import Verdict
 
@@ -77,6 +78,8 @@ class Observed:
     yielded: Sequence[str] = ()
     """Conflicts with newer networks whose rollout is held: Degraded, still Ready."""
     taint_note: str = ""
+    agent_update: AgentUpdateStatus | None = None
+    """The upgrade policy's state (upgrade.py); shown only when paused or a node holds."""
     cleanup: CleanupView | None = None
     error: tuple[str, str] | None = None
     """(reason, message) when the spec is invalid or rendering failed."""
@@ -360,6 +363,14 @@ def compute_status(
             message = f"{ds.updated}/{desired} agents updated, {ds.available} available"
         else:
             message = "applying the agent DaemonSet"
+        update = obs.agent_update
+        if update is not None and update.paused:
+            message += "; paused (spec.agent.updateStrategy.paused): no agent is replaced"
+        elif update is not None and update.holding:
+            message += (
+                f"; {update.holding} node(s) hold off agent updates until their deadline "
+                "(status.agentUpdate)"
+            )
         progressing = (True, c.REASON_ROLLING_OUT, message)
     elif waiting:
         progressing = (
@@ -395,6 +406,12 @@ def compute_status(
         nodes=counts,
         failing_nodes=t.failing or None,
         transport=_transport(t.modes),
+        agent_update=(
+            obs.agent_update
+            if obs.agent_update is not None
+            and (obs.agent_update.paused or obs.agent_update.held_nodes)
+            else None
+        ),
     )
 
 

@@ -34,6 +34,7 @@ def render_network(
     config_generation: int | None = None,
     anchor_uid: str | None = None,
     namespace_uid: str | None = None,
+    nodes_holding: bool = False,
 ) -> list[dict[str, Any]]:
     """The children of `network`, in apply order: ClusterRole, ServiceAccount,
     ClusterRoleBinding, ConfigMap, DaemonSet, and in `policy` admission mode the
@@ -44,8 +45,11 @@ def render_network(
     owns it; the DaemonSet after the agents' RBAC and config, so its pods find them).
     With the chart's shared agents' ClusterRole there is none, and the ClusterRoleBinding
     comes first, as the anchor: ClusterRoleBinding, ServiceAccount, ConfigMap, DaemonSet.
-    `config_generation`: see `render.configmap.config_generation`."""
-    ctx = RenderContext.build(network, settings, config_generation, anchor_uid, namespace_uid)
+    `config_generation`: see `render.configmap.config_generation`; `nodes_holding`: a node
+    holds off agent updates (upgrade.py), so the DaemonSet is `OnDelete`."""
+    ctx = RenderContext.build(
+        network, settings, config_generation, anchor_uid, namespace_uid, nodes_holding
+    )
     rbac = render_rbac(ctx)
     if len(rbac) == 2:
         account, binding = rbac

@@ -178,6 +178,8 @@ class RenderContext:
     anchor_owner_refs: list[dict[str, Any]]
     """Of the anchor: when it is one (see `anchor_references`), its namespace's, not the
     network's."""
+    nodes_holding: bool = False
+    """A node holds off agent updates (see upgrade.py): the DaemonSet is `OnDelete`."""
 
     @classmethod
     def build(
@@ -187,6 +189,7 @@ class RenderContext:
         config_generation: int | None = None,
         anchor_uid: str | None = None,
         namespace_uid: str | None = None,
+        nodes_holding: bool = False,
     ) -> RenderContext:
         config = agent_config(network, config_generation)
         owners = owner_references(network)
@@ -207,6 +210,7 @@ class RenderContext:
             selector=selector_labels(network.name),
             owner_refs=owners,
             anchor_owner_refs=anchor_owners,
+            nodes_holding=nodes_holding,
         )
 
     def values(self) -> dict[str, Any]:

@@ -77,6 +77,9 @@ def render_daemonset(ctx: RenderContext) -> dict[str, Any]:
         **values,
         selector=ctx.selector,
         max_unavailable=spec.agent.update_strategy.max_unavailable,
+        # Paused, or a node holds off updates (the operator replaces the others' agents,
+        # upgrade.py): the DaemonSet controller replaces none.
+        on_delete=spec.agent.update_strategy.paused or ctx.nodes_holding,
         min_ready_seconds=MIN_READY_SECONDS,
         # The chart's pod labels and annotations first: the operator's own keys win (the
         # selector, the config hash that rolls the agents, the metrics port).

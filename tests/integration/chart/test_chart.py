@@ -403,6 +403,10 @@ def test_install_makes_crds_webhooks_and_rbac(cluster: LocalCluster, release: Re
     assert not release.can(sa, "get", "secrets/other", "-n", own)
     assert not release.can(sa, "create", "daemonsets.apps", "-n", "default")
     assert not release.can(sa, "list", "pods", "-A")
+    # The upgrade policy (#17) replaces outdated agent pods, in the agents' namespace only.
+    assert release.can(sa, "delete", "pods", "-n", own)
+    assert release.can(sa, "list", "controllerrevisions.apps", "-n", own)
+    assert not release.can(sa, "delete", "pods", "-n", "default")
     assert not release.can(sa, "patch", "mutatingwebhookconfigurations/someone-elses")
     assert not release.can(sa, "escalate", "clusterroles")
     assert not release.can(sa, "bind", "clusterroles")
