@@ -441,24 +441,28 @@ impl Connection {
             }
             for f in outcome.lost {
                 out.counters.sack_holes += 1;
-                if self.frame_needed(&f) && f != Frame::Ping {
-                    self.retx.push_back((f, i as u8));
-                }
+                self.requeue(f, i);
             }
         }
         self.take_late(now, out);
     }
 
+    /// A frame given up on path `lost_on` is sent again (elsewhere, when it can),
+    /// unless its message no longer needs it. A lost PING is not resent.
+    fn requeue(&mut self, f: Frame, lost_on: usize) {
+        if self.frame_needed(&f) && f != Frame::Ping {
+            self.retx.push_back((f, lost_on as u8));
+        }
+    }
+
     /// Requeue the packets other paths' ACKs show overdue (see `Path::late_after`).
     fn take_late(&mut self, now: Micros, out: &mut Shared) {
         let evidence = self.newest_acked_order;
-        let timers = &self.params.timers;
         for i in 0..self.paths.len() {
-            for f in self.paths[i].take_late(timers, now, evidence) {
+            let lost = self.paths[i].take_late(&self.params.timers, now, evidence);
+            for f in lost {
                 out.counters.late_losses += 1;
-                if self.frame_needed(&f) && f != Frame::Ping {
-                    self.retx.push_back((f, i as u8));
-                }
+                self.requeue(f, i);
             }
         }
     }
@@ -781,9 +785,7 @@ impl Connection {
                         out.counters.path_failures += 1;
                     }
                     for f in frames {
-                        if self.frame_needed(&f) && f != Frame::Ping {
-                            self.retx.push_back((f, i as u8));
-                        }
+                        self.requeue(f, i);
                     }
                     continue;
                 }
@@ -817,9 +819,7 @@ impl Connection {
     pub fn rotate_path(&mut self, i: usize, epoch: u16) {
         if let Some(p) = self.paths.get_mut(i) {
             for f in p.rotate() {
-                if self.frame_needed(&f) && f != Frame::Ping {
-                    self.retx.push_back((f, i as u8));
-                }
+                self.requeue(f, i);
             }
             let p = &mut self.paths[i];
             p.epoch = epoch;

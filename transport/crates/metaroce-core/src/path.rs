@@ -118,6 +118,11 @@ struct LateDeclared {
     next_psn: u32,
 }
 
+/// A floor learned at `at` that halves every second after.
+fn halved_per_second(floor: Micros, at: Micros, now: Micros) -> Micros {
+    floor >> (now.saturating_sub(at) / SEC).min(63)
+}
+
 /// What an ACK entry did to a path.
 #[derive(Debug, Default)]
 pub struct AckOutcome {
@@ -170,8 +175,9 @@ pub struct Path {
     rto_floor: Micros,
     rto_floor_at: Micros,
     pub spurious_rtos: u64,
-    /// Packets declared late, (PSN, sent at), until an ACK shows one arrived after all.
+    /// Packets declared late, until an ACK shows one arrived after all.
     late_declared: VecDeque<LateDeclared>,
+    /// RTT samples taken (see `late_after`).
     rtt_samples: u32,
     late_floor: Micros,
     late_floor_at: Micros,
@@ -231,7 +237,6 @@ impl Path {
             rto_floor_at: 0,
             spurious_rtos: 0,
             late_declared: VecDeque::new(),
-
             rtt_samples: 0,
             late_floor: 0,
             late_floor_at: 0,
@@ -260,8 +265,15 @@ impl Path {
     }
 
     fn learned_floor(&self, now: Micros) -> Micros {
-        let halvings = (now.saturating_sub(self.rto_floor_at) / SEC).min(63);
-        self.rto_floor >> halvings
+        halved_per_second(self.rto_floor, self.rto_floor_at, now)
+    }
+
+    /// A packet sent at `sent_at` is given up on: the window comes down and new
+    /// packets prefer other paths for a while.
+    fn note_loss(&mut self, now: Micros, sent_at: Micros) {
+        self.losses += 1;
+        self.cc.on_loss(now, sent_at, self.rtt.srtt);
+        self.suspect_until = now + 8 * self.rtt.srtt.max(100);
     }
 
     /// PSNs in flight must stay within the receiver's 256-bit SACK window.
@@ -333,31 +345,20 @@ impl Path {
         self.check_timeout(now, entry);
         let mut out = AckOutcome::default();
         let highest = sack::sacked(entry).last().unwrap_or(entry.cum.wrapping_sub(1));
-        let is_received = |psn: u32| {
-            let d = psn.wrapping_sub(entry.cum);
-            if d >= 1 << 31 {
-                return true; // below cum
-            }
-            if d == 0 || d > SACK_BITS {
-                return false;
-            }
-            let i = d - 1;
-            entry.sack[(i / 8) as usize] >> (i % 8) & 1 == 1
-        };
+        let below_cum = |psn: u32| psn.wrapping_sub(entry.cum) >= 1 << 31;
+        let is_received = |psn: u32| below_cum(psn) || sack::sack_bit(entry, psn);
         let mut newest_acked: Option<Micros> = None;
         let mut newest_order: Option<u64> = None;
         let mut keep = VecDeque::with_capacity(self.in_flight.len());
-        for p in self.in_flight.drain(..) {
+        for p in std::mem::take(&mut self.in_flight) {
             if is_received(p.psn) {
                 out.acked_bytes += p.bytes as u64;
                 newest_acked = Some(newest_acked.map_or(p.sent_at, |t: Micros| t.max(p.sent_at)));
                 newest_order = Some(newest_order.map_or(p.order, |o: u64| o.max(p.order)));
                 out.acked.push(p.frame);
             } else if highest.wrapping_sub(p.psn) < 1 << 31 && highest != p.psn {
-                self.losses += 1;
+                self.note_loss(now, p.sent_at);
                 out.lost.push(p.frame);
-                self.cc.on_loss(now, p.sent_at, self.rtt.srtt);
-                self.suspect_until = now + 8 * self.rtt.srtt.max(100);
             } else {
                 keep.push_back(p);
             }
@@ -505,8 +506,7 @@ impl Path {
             return None; // rttvar starts at half the first sample: not yet a spread
         }
         let rtt = self.rtt.srtt + 4 * self.rtt.rttvar;
-        let halvings = (now.saturating_sub(self.late_floor_at) / SEC).min(63);
-        Some(rtt.max(self.late_floor >> halvings) + LATE_SLACK)
+        Some(rtt.max(halved_per_second(self.late_floor, self.late_floor_at, now)) + LATE_SLACK)
     }
 
     /// When the oldest packet in flight becomes overdue against `evidence` (the
@@ -530,11 +530,12 @@ impl Path {
     fn check_late_spurious(&mut self, now: Micros, entry: &AckEntry) {
         let next_psn = self.next_psn;
         let proven = |d: &LateDeclared| {
-            let ahead = d.psn.wrapping_sub(entry.cum);
-            if ahead >= 1 << 31 {
-                return d.next_psn == next_psn; // below the cumulative point
+            let below_cum = d.psn.wrapping_sub(entry.cum) >= 1 << 31;
+            if below_cum {
+                d.next_psn == next_psn
+            } else {
+                sack::sack_bit(entry, d.psn)
             }
-            ahead != 0 && ahead <= SACK_BITS && entry.sack[((ahead - 1) / 8) as usize] >> ((ahead - 1) % 8) & 1 == 1
         };
         let Some(took) = self.late_declared.iter().filter(|d| proven(d)).map(|d| now.saturating_sub(d.sent_at)).max() else {
             return;
@@ -560,9 +561,7 @@ impl Path {
                 self.late_declared.pop_front();
             }
             self.late_declared.push_back(LateDeclared { psn: p.psn, sent_at: p.sent_at, next_psn: self.next_psn });
-            self.losses += 1;
-            self.cc.on_loss(now, p.sent_at, self.rtt.srtt);
-            self.suspect_until = now + 8 * self.rtt.srtt.max(100);
+            self.note_loss(now, p.sent_at);
             lost.push(p.frame);
         }
         lost

@@ -124,6 +124,17 @@ impl RecvWindow {
 }
 
 /// The PSNs an ACK entry says were received, above its cumulative point.
+/// Whether `entry`'s bitmap shows `psn` received (false at or below the
+/// cumulative point and beyond the bitmap).
+pub fn sack_bit(entry: &AckEntry, psn: u32) -> bool {
+    let d = psn.wrapping_sub(entry.cum);
+    if d == 0 || d > SACK_BITS {
+        return false;
+    }
+    let i = d - 1;
+    entry.sack[(i / 8) as usize] >> (i % 8) & 1 == 1
+}
+
 pub fn sacked(entry: &AckEntry) -> impl Iterator<Item = u32> + '_ {
     (0..SACK_BITS).filter_map(move |i| {
         let byte = entry.sack[(i / 8) as usize];
