@@ -13,11 +13,9 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from concurrent import futures
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 from conftest import make_config
 from fakes import FixtureHost
@@ -31,7 +29,6 @@ from metaroce_agent.deviceplugin.devices import (
 )
 from metaroce_agent.deviceplugin.podresources import (
     podresources_pb2,
-    podresources_pb2_grpc,
     units_by_container,
 )
 from metaroce_agent.exporter import AgentMetrics, TransportStatsCollector
@@ -49,7 +46,7 @@ from metaroce_agent.transport.stats import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "deviceplugin"))
-from kubelet_peer import KubeletPeer
+from kubelet_peer import KubeletPeer, PodResourcesLister, serve_pod_resources
 
 REPO = Path(__file__).resolve().parents[3]
 NETWORK = "lossy"
@@ -329,14 +326,6 @@ def test_no_kubelet_answer_keeps_the_last_attribution(tmp_path: Path) -> None:
 # --- the real library writes, the agent reads (real PodResources gRPC too) ---------------
 
 
-class Lister(podresources_pb2_grpc.PodResourcesListerServicer):  # type: ignore[misc]
-    def __init__(self) -> None:
-        self.pods: list[Any] = []
-
-    def List(self, request: Any, context: Any) -> Any:
-        return podresources_pb2.ListPodResourcesResponse(pod_resources=self.pods)
-
-
 def pod(name: str, units: list[str]) -> Any:
     return podresources_pb2.PodResources(
         name=name,
@@ -353,18 +342,9 @@ def pod(name: str, units: list[str]) -> Any:
 
 
 @pytest.fixture
-def pod_resources() -> Iterator[tuple[str, Lister]]:
-    with tempfile.TemporaryDirectory(prefix="prs-") as d:
-        sock = str(Path(d) / "kubelet.sock")
-        lister = Lister()
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-        podresources_pb2_grpc.add_PodResourcesListerServicer_to_server(lister, server)
-        server.add_insecure_port(f"unix://{sock}")
-        server.start()
-        try:
-            yield sock, lister
-        finally:
-            server.stop(0)
+def pod_resources() -> Iterator[tuple[str, PodResourcesLister]]:
+    with serve_pod_resources("prs-") as served:
+        yield served
 
 
 @pytest.fixture(scope="session")
@@ -390,7 +370,7 @@ def in_container(host_dir: Path, argv: list[str]) -> list[str]:
 
 
 def test_the_real_library_writes_what_the_agent_exports(
-    tmp_path: Path, release: Path, pod_resources: tuple[str, Lister]
+    tmp_path: Path, release: Path, pod_resources: tuple[str, PodResourcesLister]
 ) -> None:
     sock, lister = pod_resources
     host = FixtureHost(tmp_path / "root")

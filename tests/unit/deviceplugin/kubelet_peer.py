@@ -13,9 +13,10 @@ It does what the kubelet's device manager does, over real gRPC on unix sockets:
 from __future__ import annotations
 
 import contextlib
+import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,7 @@ from typing import Any
 import grpc
 
 from metaroce_agent.deviceplugin.api import api_pb2, api_pb2_grpc
+from metaroce_agent.deviceplugin.podresources import podresources_pb2, podresources_pb2_grpc
 
 SUPPORTED_VERSIONS = ("v1beta1",)
 
@@ -190,3 +192,29 @@ class KubeletPeer:
         )
         response = ep.stub.GetPreferredAllocation(request, timeout=5)
         return list(response.container_responses[0].deviceIDs)
+
+
+class PodResourcesLister(podresources_pb2_grpc.PodResourcesListerServicer):  # type: ignore[misc]
+    """The kubelet's PodResources `List`: answers with whatever `pods` holds."""
+
+    def __init__(self) -> None:
+        self.pods: list[Any] = []
+
+    def List(self, request: Any, context: Any) -> Any:
+        return podresources_pb2.ListPodResourcesResponse(pod_resources=self.pods)
+
+
+@contextlib.contextmanager
+def serve_pod_resources(prefix: str) -> Iterator[tuple[str, PodResourcesLister]]:
+    """A PodResourcesLister over real gRPC on a unix socket in a temporary directory."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as d:
+        sock = str(Path(d) / "kubelet.sock")
+        lister = PodResourcesLister()
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        podresources_pb2_grpc.add_PodResourcesListerServicer_to_server(lister, server)
+        server.add_insecure_port(f"unix://{sock}")
+        server.start()
+        try:
+            yield sock, lister
+        finally:
+            server.stop(0)

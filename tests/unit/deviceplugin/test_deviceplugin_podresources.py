@@ -3,33 +3,22 @@ unix socket), and which metaroce library versions the agent may remove."""
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Iterator
-from concurrent import futures
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
+from kubelet_peer import PodResourcesLister, serve_pod_resources
 
 from metaroce_agent.deviceplugin import gen
 from metaroce_agent.deviceplugin.podresources import (
     PodResourcesError,
     allocated_units,
     podresources_pb2,
-    podresources_pb2_grpc,
 )
 from metaroce_agent.transport.library import versions_to_remove
 
 RESOURCE = "metaroce.io/lossy"
-
-
-class Lister(podresources_pb2_grpc.PodResourcesListerServicer):  # type: ignore[misc]
-    def __init__(self) -> None:
-        self.pods: list[Any] = []
-
-    def List(self, request: Any, context: Any) -> Any:
-        return podresources_pb2.ListPodResourcesResponse(pod_resources=self.pods)
 
 
 def pod(name: str, *devices: tuple[str, list[str]]) -> Any:
@@ -49,21 +38,12 @@ def pod(name: str, *devices: tuple[str, list[str]]) -> Any:
 
 
 @pytest.fixture
-def kubelet() -> Iterator[tuple[str, Lister]]:
-    with tempfile.TemporaryDirectory(prefix="pr-") as d:
-        sock = str(Path(d) / "kubelet.sock")
-        lister = Lister()
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-        podresources_pb2_grpc.add_PodResourcesListerServicer_to_server(lister, server)
-        server.add_insecure_port(f"unix://{sock}")
-        server.start()
-        try:
-            yield sock, lister
-        finally:
-            server.stop(0)
+def kubelet() -> Iterator[tuple[str, PodResourcesLister]]:
+    with serve_pod_resources("pr-") as served:
+        yield served
 
 
-def test_lists_the_units_of_one_resource(kubelet: tuple[str, Lister]) -> None:
+def test_lists_the_units_of_one_resource(kubelet: tuple[str, PodResourcesLister]) -> None:
     sock, lister = kubelet
     assert allocated_units(RESOURCE, sock) == set()
     lister.pods = [
