@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from metaroce_harness.cluster import REPO_ROOT
+from metaroce_harness.specdoc import between_markers, rewrite
 
 CHART = REPO_ROOT / "charts" / "metaroce"
 README = CHART / "README.md"
@@ -96,19 +97,11 @@ def table(chart: Path = CHART) -> str:
 
 def with_table(readme: str, chart: Path = CHART) -> str:
     """`readme` with the generated table between the markers."""
-    head, sep, rest = readme.partition(BEGIN)
-    _, sep2, tail = rest.partition(END)
-    if not sep or not sep2:
-        raise ValueError(f"{README} lacks the markers {BEGIN!r} ... {END!r}")
-    return f"{head}{BEGIN}\n{table(chart)}\n{END}{tail}"
+    return between_markers(readme, BEGIN, END, table(chart), str(README))
 
 
 def main() -> int:
-    text = README.read_text()
-    new = with_table(text)
-    if new != text:
-        README.write_text(new)
-        print(f"updated the values table in {README}")
+    rewrite(README, with_table(README.read_text()), "values table")
     return 0
 
 

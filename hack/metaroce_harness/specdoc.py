@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 from metaroce_harness.cluster import REPO_ROOT
@@ -71,21 +72,30 @@ def table() -> str:
     return "\n".join(rows)
 
 
+def between_markers(text: str, begin: str, end: str, body: str, where: str) -> str:
+    """`text` with `body` between the marker lines `begin` and `end` (the generated
+    tables' one way in; `where` names the file in the error)."""
+    head, sep, rest = text.partition(begin)
+    _, sep2, tail = rest.partition(end)
+    if not sep or not sep2:
+        raise ValueError(f"{where} lacks the markers {begin!r} ... {end!r}")
+    return f"{head}{begin}\n{body}\n{end}{tail}"
+
+
+def rewrite(path: Path, new: str, what: str) -> None:
+    """Write `new` to `path` if it differs, saying so."""
+    if new != path.read_text():
+        path.write_text(new)
+        print(f"updated the {what} in {path}")
+
+
 def with_table(readme: str) -> str:
     """`readme` with the generated table between the markers."""
-    head, sep, rest = readme.partition(BEGIN)
-    _, sep2, tail = rest.partition(END)
-    if not sep or not sep2:
-        raise ValueError(f"README.md lacks the markers {BEGIN!r} ... {END!r}")
-    return f"{head}{BEGIN}\n{table()}\n{END}{tail}"
+    return between_markers(readme, BEGIN, END, table(), "README.md")
 
 
 def main() -> int:
-    text = README.read_text()
-    new = with_table(text)
-    if new != text:
-        README.write_text(new)
-        print(f"updated the spec table in {README}")
+    rewrite(README, with_table(README.read_text()), "spec table")
     return 0
 
 
