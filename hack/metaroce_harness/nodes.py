@@ -39,6 +39,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import fcntl
 import json
 import logging
 import os
@@ -75,6 +76,12 @@ GUEST_NODE_DIR = "/etc/metaroce-node"
 # the host).
 APISERVER_ARGS = ("--kubelet-preferred-address-types=InternalIP",)
 _LABEL_PREFIX = "lo:mrk"
+# Every RealNodes uses the same node addresses, so two at once on one host (a CI run
+# beside a developer's run) wait for each other on this lock instead of failing. The
+# kernel drops a flock when its holder dies, so a killed run never leaves it held.
+HOST_LOCK = Path("/run/lock/metaroce-real-nodes.lock")
+HOST_LOCK_WAIT_ENV = "METAROCE_REAL_NODES_WAIT"
+HOST_LOCK_WAIT_DEFAULT = 1800.0
 
 
 _live: set[RealNodes] = set()
@@ -258,6 +265,7 @@ class RealNodes:
         self._host_addrs: list[str] = []
         self.kubelets: dict[str, Any] = {}
         self.timings: dict[str, float] = {}
+        self._host_lock: int | None = None
 
     # -- lifecycle --
     def __enter__(self) -> RealNodes:
@@ -289,6 +297,8 @@ class RealNodes:
             self.images = find_images()
         bins = ensure_binaries()
         kubelet = Path(bins["kubelet"])
+        self._host_lock = take_host_lock(HOST_LOCK, _host_lock_wait())
+        self.timings["host lock"] = time.monotonic() - t0
         self._add_host_addresses()
         self.guests = GuestCluster(
             self.count,
@@ -455,6 +465,9 @@ class RealNodes:
             self.guests.close()
             self.guests = None
         self.remove_host_addresses()
+        if self._host_lock is not None:
+            os.close(self._host_lock)
+            self._host_lock = None
 
     def remove_host_addresses(self) -> None:
         for addr in self._host_addrs:
@@ -463,6 +476,59 @@ class RealNodes:
             )
         self._host_addrs = []
         _live.discard(self)
+
+
+def _host_lock_wait() -> float:
+    raw = os.environ.get(HOST_LOCK_WAIT_ENV, "")
+    if not raw:
+        return HOST_LOCK_WAIT_DEFAULT
+    try:
+        wait = float(raw)
+    except ValueError:
+        wait = -1.0
+    if wait < 0:
+        raise NodeError(
+            f"{HOST_LOCK_WAIT_ENV}={raw!r}: give the seconds to wait for another run's "
+            "real nodes as a number >= 0 (0: fail at once)"
+        )
+    return wait
+
+
+def take_host_lock(path: Path, wait_s: float, *, poll_s: float = 2.0) -> int:
+    """Hold ``path`` exclusively (flock), waiting up to ``wait_s`` for its holder.
+
+    Returns the open descriptor; closing it releases the lock. The holder's pid and
+    command line are written into the file so a waiting run can say whom it waits for."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    deadline = time.monotonic() + wait_s
+    next_log = 0.0
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            now = time.monotonic()
+            holder = Path(path).read_text(errors="replace").strip() or "unknown"
+            if now >= deadline:
+                os.close(fd)
+                raise NodeError(
+                    f"{path} is held by another run of real nodes ({holder}) after waiting "
+                    f"{wait_s:.0f} s; let it finish or stop it (raise {HOST_LOCK_WAIT_ENV} "
+                    "to wait longer)"
+                ) from None
+            if now >= next_log:
+                log.warning(
+                    "real nodes: waiting for another run's real nodes to finish (%s), %.0f s left",
+                    holder,
+                    deadline - now,
+                )
+                next_log = now + 30.0
+            time.sleep(poll_s)
+    cmdline = Path("/proc/self/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()}: {cmdline.strip()[:300]}\n".encode(), 0)
+    return fd
 
 
 def _epoch(timestamp: str) -> float:
