@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-_TIERS = {"unit", "integration", "e2e", "transport"}
+_TIERS = {"unit", "integration", "e2e", "transport", "fault"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
