@@ -189,6 +189,10 @@ TRANSPORT_COUNTERS = {
     "pkts_rcvd": ("metaroce_transport_packets_received", "Data packets received"),
     "bytes_sent": ("metaroce_transport_bytes_sent", "Payload bytes sent"),
     "bytes_rcvd": ("metaroce_transport_bytes_received", "Payload bytes received"),
+    "bytes_acked": (
+        "metaroce_transport_bytes_acked",
+        "Payload bytes the peers acknowledged for the first time (goodput, no retransmits)",
+    ),
     "msgs_sent": ("metaroce_transport_messages_sent", "Messages sent"),
     "msgs_rcvd": ("metaroce_transport_messages_received", "Messages received"),
     "path_failures": ("metaroce_transport_path_failures", "Paths declared failed"),

@@ -452,7 +452,9 @@ def aggregate(
         prev = previous.get(name)
         if prev is not None and prev.pid == ep.pid and ep.unix_ms > prev.unix_ms:
             dt = (ep.unix_ms - prev.unix_ms) / 1000.0
-            for attr, key in (("goodput_sent", "bytes_sent"), ("goodput_rcvd", "bytes_rcvd")):
+            # bytes_acked leaves retransmits out; libraries before it have bytes_sent only
+            sent_key = "bytes_acked" if "bytes_acked" in ep.counters else "bytes_sent"
+            for attr, key in (("goodput_sent", sent_key), ("goodput_rcvd", "bytes_rcvd")):
                 delta = ep.counters.get(key, 0) - prev.counters.get(key, 0)
                 setattr(agg, attr, getattr(agg, attr) + max(delta, 0) / dt)
     agg.paths = len(live)

@@ -305,6 +305,31 @@ def test_the_exporter_serves_per_container_counters_and_path_aggregates(tmp_path
     ) == pytest.approx(10_000_000)
 
 
+def test_sent_goodput_counts_acknowledged_bytes_not_retransmits(tmp_path: Path) -> None:
+    host = FixtureHost(tmp_path)
+    dirs = StatsDirectories(host, STATE, NETWORK)
+    first = host.path(dirs.create(["eth1-0"]))
+    held = {ContainerRef("jobs", "a", "train"): frozenset({"eth1-0"})}
+    metrics = AgentMetrics(NETWORK, "node-1")
+    metrics.add_transport_stats(
+        TransportStatsCollector(NETWORK, TransportStats(dirs, lambda: held, refresh_s=0))
+    )
+    now = int(time.time() * 1000)
+    write(first, "ep-1-20000.json", snapshot(unix_ms=now - 1000, bytes_acked=0))
+    metrics.render()
+    # 20 MB went out in the second, 8 MB of it new: the rest were retransmits
+    write(
+        first,
+        "ep-1-20000.json",
+        snapshot(unix_ms=now, bytes_sent=20_000_000, bytes_acked=8_000_000),
+    )
+    text = metrics.render().decode()
+    lbl = {"network": NETWORK, "namespace": "jobs", "pod": "a"}
+    goodput = metric(text, "metaroce_transport_goodput_bytes_per_second", direction="sent", **lbl)
+    assert goodput == pytest.approx(8_000_000)
+    assert metric(text, "metaroce_transport_bytes_acked_total", **lbl) == 8_000_000
+
+
 def test_no_kubelet_answer_keeps_the_last_attribution(tmp_path: Path) -> None:
     host = FixtureHost(tmp_path)
     dirs = StatsDirectories(host, STATE, NETWORK)

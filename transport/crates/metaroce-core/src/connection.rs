@@ -350,10 +350,16 @@ impl Connection {
     fn on_frame_acked(&mut self, f: Frame, path: usize, out: &mut Shared) {
         match f {
             Frame::Seg { msg, seg } => {
+                let mss = self.mss;
                 let done = match self.smsgs.get_mut(&msg) {
                     Some(m) => {
                         if m.acked.set(seg) {
                             m.acked_count += 1;
+                            let limit = match m.phase {
+                                SendPhase::Cleared { accepted } => accepted,
+                                _ => m.len,
+                            };
+                            out.counters.bytes_acked += (limit - (seg * mss).min(limit)).min(mss) as u64;
                         }
                         m.acked_count >= m.segs && !matches!(m.phase, SendPhase::WaitCts)
                     }

@@ -7,6 +7,8 @@ pub struct Counters {
     /// Payload bytes.
     pub bytes_sent: u64,
     pub bytes_rcvd: u64,
+    /// Payload bytes the peers acknowledged for the first time: the sender's goodput.
+    pub bytes_acked: u64,
     pub msgs_sent: u64,
     pub msgs_rcvd: u64,
     pub acks_sent: u64,
@@ -51,12 +53,13 @@ pub struct Counters {
 impl Counters {
     /// Every counter by name, in declaration order: what exporters and the stats
     /// file print, so a new counter shows up there without another edit.
-    pub fn fields(&self) -> [(&'static str, u64); 35] {
+    pub fn fields(&self) -> [(&'static str, u64); 36] {
         [
             ("pkts_sent", self.pkts_sent),
             ("pkts_rcvd", self.pkts_rcvd),
             ("bytes_sent", self.bytes_sent),
             ("bytes_rcvd", self.bytes_rcvd),
+            ("bytes_acked", self.bytes_acked),
             ("msgs_sent", self.msgs_sent),
             ("msgs_rcvd", self.msgs_rcvd),
             ("acks_sent", self.acks_sent),

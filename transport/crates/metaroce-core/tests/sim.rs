@@ -81,6 +81,7 @@ fn every_size_arrives_intact_without_retransmits() {
     assert_eq!(a.retransmits, 0, "{a:?}");
     assert_eq!(b.dup_rcvd, 0, "{b:?}");
     assert_eq!(a.rtos, 0);
+    assert_eq!(a.bytes_acked, sizes.iter().sum::<usize>() as u64, "every payload byte acknowledged once");
 }
 
 #[test]
@@ -168,6 +169,8 @@ fn random_loss_in_both_directions_keeps_goodput() {
         let ratio = lossless as f64 / out.took as f64;
         println!("loss {loss}: goodput ratio to lossless {ratio:.3}; {:?}", sim.eps[0].counters());
         assert!(ratio >= floor, "loss {loss}: ratio {ratio:.3} < {floor}");
+        // Retransmits and duplicates are not goodput: each byte counts once.
+        assert_eq!(sim.eps[0].counters().bytes_acked, 24 << 20);
     }
 }
 

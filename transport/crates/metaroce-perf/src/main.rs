@@ -264,7 +264,7 @@ fn end_session(t: &Transport, peer: u64, s: &Session) -> Result<(), String> {
     ctrl(t, peer, TAG_STATS, &stats)
 }
 
-/// A message of `size` bytes completed now: add it to its bin (bytes per bin).
+/// `size` bytes completed (or were acknowledged) now: add them to their bin.
 fn count_bin(bins: &mut Vec<u64>, bin_ms: u64, start: Instant, size: usize) {
     if bin_ms == 0 {
         return;
@@ -274,6 +274,11 @@ fn count_bin(bins: &mut Vec<u64>, bin_ms: u64, start: Instant, size: usize) {
         bins.resize(i + 1, 0);
     }
     bins[i] += size as u64;
+}
+
+/// Bins of bytes as Mbit/s, comma-separated.
+fn mbps_of(bins: &[u64], bin_ms: u64) -> String {
+    bins.iter().map(|b| format!("{:.1}", *b as f64 * 8.0 / (bin_ms as f64 * 1000.0))).collect::<Vec<_>>().join(",")
 }
 
 fn percentile(sorted: &[f64], q: f64) -> f64 {
@@ -303,6 +308,18 @@ fn client(a: &Args) -> Result<bool, String> {
     let mut msgs = 0u64;
     let mut lat_us: Vec<f64> = Vec::new();
     let mut bins: Vec<u64> = Vec::new();
+    // The same bins by payload bytes first acknowledged (packet-sized steps): a
+    // message-completion bin moves in whole messages and dips while one waits.
+    let mut acked_bins: Vec<u64> = Vec::new();
+    let mut acked_seen = c0.bytes_acked;
+    let mut count_acked = |bins: &mut Vec<u64>| -> Result<(), String> {
+        if a.bins_ms > 0 {
+            let now = t.counters().map_err(|e| format!("{e:?}"))?.0.bytes_acked;
+            count_bin(bins, a.bins_ms, start, (now - acked_seen) as usize);
+            acked_seen = now;
+        }
+        Ok(())
+    };
     if a.mode == "bw" {
         let mut inflight = 0usize;
         while Instant::now() < deadline {
@@ -317,12 +334,14 @@ fn client(a: &Args) -> Result<bool, String> {
             inflight -= 1;
             msgs += 1;
             count_bin(&mut bins, a.bins_ms, start, a.size);
+            count_acked(&mut acked_bins)?;
         }
         while inflight > 0 {
             wait_one(&t, &mut pending, |c| c.kind == OpKind::Send && c.context == 10, Duration::from_secs(30))?;
             inflight -= 1;
             msgs += 1;
             count_bin(&mut bins, a.bins_ms, start, a.size);
+            count_acked(&mut acked_bins)?;
         }
     } else {
         for _ in 0..a.iters {
@@ -361,7 +380,7 @@ fn client(a: &Args) -> Result<bool, String> {
             })
             .collect();
         println!(
-            "{{\"mode\":\"{}\",\"size\":{},\"messages\":{msgs},\"bytes\":{bytes},\"seconds\":{secs:.6},\"goodput_gbps\":{gbps:.6},\"goodput_mbit\":{:.3},\"packets_sent\":{sent},\"retransmits\":{retx},\"spurious_retransmits\":{spurious},\"ce_marks\":{ce},\"rtos\":{},\"spurious_rtos\":{},\"tlps\":{},\"acks_rcvd\":{},\"lat_p50_us\":{:.2},\"lat_p99_us\":{:.2},\"tx_dropped_local\":{},\"sock_rcvbuf\":{},\"sock_sndbuf\":{},\"paths\":[{}],\"bins_mbps\":[{}]}}",
+            "{{\"mode\":\"{}\",\"size\":{},\"messages\":{msgs},\"bytes\":{bytes},\"seconds\":{secs:.6},\"goodput_gbps\":{gbps:.6},\"goodput_mbit\":{:.3},\"packets_sent\":{sent},\"retransmits\":{retx},\"spurious_retransmits\":{spurious},\"ce_marks\":{ce},\"rtos\":{},\"spurious_rtos\":{},\"tlps\":{},\"acks_rcvd\":{},\"lat_p50_us\":{:.2},\"lat_p99_us\":{:.2},\"tx_dropped_local\":{},\"sock_rcvbuf\":{},\"sock_sndbuf\":{},\"paths\":[{}],\"bins_mbps\":[{}],\"acked_bins_mbps\":[{}]}}",
             a.mode,
             a.size,
             gbps * 1000.0,
@@ -375,7 +394,8 @@ fn client(a: &Args) -> Result<bool, String> {
             io.rcvbuf,
             io.sndbuf,
             path_json.join(","),
-            bins.iter().map(|b| format!("{:.1}", *b as f64 * 8.0 / (a.bins_ms as f64 * 1000.0))).collect::<Vec<_>>().join(",")
+            mbps_of(&bins, a.bins_ms),
+            mbps_of(&acked_bins, a.bins_ms)
         );
     } else {
         println!("---------------------------------------------------------------------------------------");
