@@ -543,23 +543,27 @@ def _lo_addresses() -> list[tuple[str, str]]:
     out = subprocess.run(
         ["ip", "-o", "-4", "addr", "show", "dev", "lo"], capture_output=True, text=True, check=False
     ).stdout
+    return labelled_addresses(out)
+
+
+def labelled_addresses(out: str) -> list[tuple[str, str]]:
+    """(address/len, label) of the lines of ``ip -o -4 addr show`` with this module's label."""
     found = []
     for line in out.splitlines():
         fields = line.split()
-        labels = [f for f in fields if f.startswith(_LABEL_PREFIX)]
+        # `ip -o` ends the label with the backslash of its line continuation
+        labels = [f.rstrip("\\") for f in fields if f.startswith(_LABEL_PREFIX)]
         if labels and len(fields) > 3:
             found.append((fields[3], labels[0]))
     return found
 
 
 def _sweep_stale_addresses() -> None:
-    """Remove node addresses whose owner process (the pid in the label) is gone."""
+    """Remove the node addresses a killed run left (called holding ``HOST_LOCK``, so no
+    live run owns any: the pid in a label may since belong to another process)."""
     for addr, label in _lo_addresses():
-        pid = label[len(_LABEL_PREFIX) :]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            subprocess.run(
-                ["ip", "addr", "del", addr, "dev", "lo"], capture_output=True, check=False
-            )
+        log.warning("real nodes: removing %s (%s), left by a run that was killed", addr, label)
+        subprocess.run(["ip", "addr", "del", addr, "dev", "lo"], capture_output=True, check=False)
 
 
 def leftover_addresses() -> list[str]:
