@@ -36,6 +36,7 @@ from typing import Any
 from metaroce_agent.host import Host
 from metaroce_agent.plan import Plan
 from metaroce_agent.steps import Json, Step, StepError, step_from_record
+from metaroce_api.failpoints import failpoint
 
 log = logging.getLogger("metaroce.agent.engine")
 
@@ -208,8 +209,11 @@ class Engine:
                     snapshot, known = step.snapshot(self.host), not self.journal.originals_lost
                 self.journal.put(step, snapshot, previous, known)
                 changes.append((step, previous))
+                failpoint("apply.before_step")  # journaled, not applied
                 log.info("[%d/%d] apply %s = %s", i, total, step.name, step.value())
+                failpoint(f"apply.step.{step.kind}")  # the fault tier's failing step
                 step.apply(self.host)
+                failpoint("apply.after_step")  # applied, not read back
                 problem = step.verify(self.host)
                 if problem is not None:
                     raise StepError(f"read back after apply: {problem}")
@@ -233,6 +237,7 @@ class Engine:
                     seconds=time.monotonic() - start,
                     changed=len(changes),
                 )
+        failpoint("apply.before_commit")  # every step verified, not yet journaled as such
         self.journal.commit(done)
         undo_errors = self._undo_stale({s.id for s in plan.steps})
         seconds = time.monotonic() - start
@@ -249,6 +254,7 @@ class Engine:
             log.info("undo %s: no longer planned", entry.step.name)
             try:
                 entry.step.undo(self.host, entry.snapshot)
+                failpoint("apply.stale.after_undo")  # undone, still journaled
                 self.journal.drop(entry.step.id)
             except Exception as e:
                 errors.append(f"undo {entry.step.name} (no longer planned): {e}")
@@ -268,6 +274,7 @@ class Engine:
             try:
                 if previous is None:
                     step.undo(self.host, entry.snapshot)
+                    failpoint("restore.after_step")  # undone, still journaled
                     self.journal.drop(step.id)
                 else:
                     if previous.verify(self.host) is not None:
@@ -275,6 +282,7 @@ class Engine:
                         problem = previous.verify(self.host)
                         if problem is not None:
                             raise StepError(f"read back after restoring: {problem}")
+                    failpoint("restore.after_step")  # restored, journal still says the new step
                     self.journal.put(previous, entry.snapshot, previous, entry.original_known)
                 rolled.append(step.name)
             except Exception as e:
@@ -327,7 +335,9 @@ class Engine:
                 self.journal.drop(entry.step.id)
                 continue
             try:
+                failpoint(f"revert.step.{entry.step.kind}")  # the fault tier's failing undo
                 entry.step.undo(self.host, entry.snapshot)
+                failpoint("revert.after_step")  # undone, still journaled
                 result.undone.append(entry.step.name)
                 self.journal.drop(entry.step.id)
             except Exception as e:
