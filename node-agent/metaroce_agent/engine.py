@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from metaroce_agent.host import Host
+from metaroce_agent.host import Host, HostError
 from metaroce_agent.plan import Plan
 from metaroce_agent.steps import Json, Step, StepError, step_from_record
 from metaroce_api.failpoints import failpoint
@@ -83,6 +83,7 @@ class Journal:
         return bool(self.problem)
 
     def load(self) -> None:
+        self._remove_temporaries()
         text = self.host.read_opt(self.path)
         self.entries = {}
         if text is None:
@@ -112,6 +113,19 @@ class Journal:
                 self.host.rename(self.path, aside)
             except Exception as move_error:
                 log.error("cannot move the unreadable journal aside: %s", move_error)
+
+    def _remove_temporaries(self) -> None:
+        """Remove temporary journals a killed agent left before their rename: the journal
+        in place is the valid one, and each crash would otherwise leave another. The agent
+        is the journal's only writer, so none of them is being written now."""
+        directory, name = self.path.rsplit("/", 1)
+        for leftover in self.host.listdir(directory):
+            if leftover.startswith(f".{name}.") and leftover.endswith(".tmp"):
+                log.warning("removing %s/%s, left by a killed agent", directory, leftover)
+                try:
+                    self.host.remove(f"{directory}/{leftover}")
+                except HostError as e:  # litter, not a reason to stop
+                    log.warning("%s", e)
 
     def save(self) -> None:
         body = {"version": 1, "entries": [e.to_json() for e in self.entries.values()]}
