@@ -286,6 +286,7 @@ class Engine:
             if entry is None:
                 continue
             try:
+                failpoint(f"restore.step.{step.kind}")  # the fault tier's failing rollback
                 if previous is None:
                     step.undo(self.host, entry.snapshot)
                     failpoint("restore.after_step")  # undone, still journaled

@@ -48,7 +48,7 @@ def _count_everything() -> None:
     spec = os.environ.get(failpoints.ENV, "")
     have = set(failpoints.parse(spec))
     names = [*KILL_POINTS]
-    names += [f"apply.step.{k}" for k in STEP_KINDS] + [f"revert.step.{k}" for k in STEP_KINDS]
+    names += [f"{op}.step.{k}" for op in ("apply", "restore", "revert") for k in STEP_KINDS]
     extra = [f"{n}={NEVER}" for n in names if n not in have]
     failpoints.reset(",".join(filter(None, [spec, *extra])))
 

@@ -77,52 +77,74 @@ def seeds_from_env() -> list[int]:
 class Scenario:
     seed: int
     profile: str
-    operation: str  # "apply" (re-apply B over A) or "revert" (revert B)
-    error: str | None  # failpoint name that fails from its first hit on, e.g. apply.step.mtu
+    operation: str
+    """apply: re-apply B over A (restarted on B); back: the same, restarted on A (the
+    rollout undone); revert: revert B (cleanupOnDelete)."""
+    errors: tuple[str, ...]
+    """Failpoints that fail from their first hit on: a step's apply or undo
+    (apply.step.mtu, revert.step.ecn), and maybe the rollback of another
+    (restore.step.tc-mark)."""
     kill: tuple[str, int] | None  # (failpoint, hit) where the agent is killed
+
+    @property
+    def phase(self) -> str:
+        """The driver's phase: what the agent is doing."""
+        return "revert" if self.operation == "revert" else "apply"
+
+    @property
+    def restart_config(self) -> str:
+        return "a" if self.operation == "back" else "b"
 
     def describe(self) -> str:
         kill = f"kill -9 at {self.kill[0]} hit {self.kill[1]}" if self.kill else "no kill"
-        error = f"{self.error} fails on every pass from now on" if self.error else "no failing step"
+        failing = " and ".join(self.errors) or "nothing"
+        restart = " restarted on config A" if self.operation == "back" else ""
         return (
-            f"seed {self.seed}: {self.profile} node, {self.operation} config B, {kill}, "
-            f"{error}; rerun: {RERUN.format(seed=self.seed)}"
+            f"seed {self.seed}: {self.profile} node, {self.phase} config B{restart}, {kill}, "
+            f"{failing} failing on every pass from now on; rerun: {RERUN.format(seed=self.seed)}"
         )
 
 
-def failing_kinds(hits: dict[str, int], operation: str) -> list[str]:
-    prefix = "apply.step." if operation == "apply" else "revert.step."
+def hit(hits: dict[str, int], prefix: str) -> list[str]:
+    """Failpoints of `prefix` the run reached."""
     return sorted(k for k, n in hits.items() if k.startswith(prefix) and n > 0)
 
 
-def choose(seed: int, count: Callable[[str, str, str | None], dict[str, int]]) -> Scenario:
-    """The seed's scenario; `count(profile, operation, error)` gives the failpoint hits of
+Count = Callable[[str, str, tuple[str, ...]], dict[str, int]]
+
+
+def choose(seed: int, count: Count) -> Scenario:
+    """The seed's scenario; `count(profile, phase, errors)` gives the failpoint hits of
     that run without a kill, so a kill lands on a hit that happens."""
     rng = random.Random(seed)
     profile = rng.choice(["softroce", "mellanox"])
-    operation = rng.choice(["apply", "revert"])
-    fault = rng.choice(["kill", "kill", "error", "error+kill"])
-    error = None
+    operation = rng.choice(["apply", "apply", "revert", "back"])
+    phase = "revert" if operation == "revert" else "apply"
+    fault = "kill" if operation == "back" else rng.choice(["kill", "kill", "error", "error+kill"])
+    errors: tuple[str, ...] = ()
     if "error" in fault:
-        kinds = failing_kinds(count(profile, operation, None), operation)
+        kinds = hit(count(profile, phase, ()), f"{phase}.step.")
         # modules are never undone: a failing module undo is no fault of the revert
         kinds = [k for k in kinds if k != "revert.step.kernel-module"]
-        error = f"{rng.choice(kinds)}"
+        errors = (rng.choice(kinds),)
+        if phase == "apply" and rng.random() < 0.4:  # and the rollback of a step fails
+            restores = hit(count(profile, phase, errors), "restore.step.")
+            errors += (rng.choice(restores),) if restores else ()
     kill = None
     if "kill" in fault:
-        hits = count(profile, operation, error)
+        hits = count(profile, phase, errors)
         # where the operation itself runs (in a revert, the restarted agent's start-up
         # apply pass is not what is tested); with a failing step, in its rollback
-        if operation == "revert":
+        if phase == "revert":
             mine: tuple[str, ...] = ("revert.", "write_atomic.")
-        elif error is not None:
+        elif errors:
             mine = ("restore.", "write_atomic.")
         else:
             mine = ("apply.", "write_atomic.")
         points = [p for p in KILL_POINTS if hits.get(p, 0) > 0 and p.startswith(mine)]
         point = rng.choice(points)
         kill = (point, rng.randint(1, hits[point]))
-    return Scenario(seed, profile, operation, error, kill)
+    return Scenario(seed, profile, operation, errors, kill)
 
 
 # --- running the agent -----------------------------------------------------------------
@@ -142,7 +164,7 @@ class Nodes:
         self.top = top
         self._n = 0
         self._bases: dict[tuple[str, str], Path] = {}
-        self._refs: dict[tuple[str, str, str | None], tuple[Path, Run]] = {}
+        self._refs: dict[tuple[str, str, tuple[str, ...]], tuple[Path, Run]] = {}
 
     def new_dir(self, name: str) -> Path:
         self._n += 1
@@ -196,20 +218,25 @@ class Nodes:
         (d / "agent.log").write_text("")
         return d
 
-    def reference(self, profile: str, operation: str, error: str | None) -> tuple[Path, Run]:
-        """The faulted operation with its failing step (if any) and no kill, every
-        failpoint counted."""
-        key = (profile, operation, error)
+    def reference(
+        self, profile: str, phase: str, errors: tuple[str, ...], config: str = "b"
+    ) -> tuple[Path, Run]:
+        """`phase` with config `config`, its failing steps and no kill, every failpoint
+        counted."""
+        key = (profile, f"{phase}-{config}", errors)
         if key not in self._refs:
-            d = self.copy(self.base(profile, operation), f"ref-{profile}-{operation}")
-            run = self.agent(d, "b", operation, spec(error, None), count=True)
+            d = self.copy(self.base(profile, phase), f"ref-{profile}-{phase}-{config}")
+            run = self.agent(d, config, phase, spec(errors, None), count=True)
             assert run.rc == 0, f"reference run: {run.log}"
             self._refs[key] = (d, run)
         return self._refs[key]
 
+    def count(self, profile: str, phase: str, errors: tuple[str, ...]) -> dict[str, int]:
+        return dict(self.reference(profile, phase, errors)[1].out["hits"])
 
-def spec(error: str | None, kill: tuple[str, int] | None) -> str:
-    parts = [f"{error}=1:error"] if error else []
+
+def spec(errors: tuple[str, ...], kill: tuple[str, int] | None) -> str:
+    parts = [f"{e}=1:error" for e in errors]
     if kill is not None:
         parts.append(f"{kill[0]}={kill[1]}")
     return ",".join(parts)
@@ -326,21 +353,21 @@ def kept_by_design(state: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.mark.parametrize("seed", seeds_from_env(), ids=lambda s: f"seed{s}")
 def test_agent_converges_after_fault(seed: int, nodes: Nodes) -> None:
-    sc = choose(seed, lambda p, o, e: nodes.reference(p, o, e)[1].out["hits"])
+    sc = choose(seed, nodes.count)
     why = sc.describe()
-    base = nodes.base(sc.profile, sc.operation)
-    ref_dir, ref = nodes.reference(sc.profile, sc.operation, sc.error)
+    base = nodes.base(sc.profile, sc.phase)
+    ref_dir, ref = nodes.reference(sc.profile, sc.phase, sc.errors, sc.restart_config)
     check_reference(sc, base, ref_dir, ref)
 
     node = nodes.copy(base, f"seed{seed}")
-    first = nodes.agent(node, "b", sc.operation, spec(sc.error, sc.kill))
+    first = nodes.agent(node, "b", sc.phase, spec(sc.errors, sc.kill))
     if sc.kill is not None:
         assert first.rc == -signal.SIGKILL, f"{why}: the agent was not killed\n{first.log}"
         dups = duplicated_effects(node)
         assert not dups, f"{why}: right after the kill the node holds duplicates: {dups}"
         journal_of(node)  # parses: written atomically
         # the restarted agent; a failing step still fails
-        again = nodes.agent(node, "b", sc.operation, spec(sc.error, None))
+        again = nodes.agent(node, sc.restart_config, sc.phase, spec(sc.errors, None))
     else:
         again = first
     assert again.rc == 0, f"{why}: the agent exited {again.rc}\n{again.log}"
@@ -368,61 +395,79 @@ def test_agent_converges_after_fault(seed: int, nodes: Nodes) -> None:
     want_steps = {e["step"] for e in status_of(ref).get("errors") or []}
     assert steps == want_steps, f"{why}: reported errors at {steps}, without the kill {want_steps}"
 
-    if sc.error is not None:  # the fault clears: the next pass converges
-        cleared = nodes.agent(node, "b", sc.operation)
-        want_phase = "Ready" if sc.operation == "apply" else "Reverted"
+    if sc.errors:  # the fault clears: the next pass converges
+        cleared = nodes.agent(node, "b", sc.phase)
+        want_phase = "Ready" if sc.phase == "apply" else "Reverted"
         assert cleared.rc == 0 and phase(cleared) == want_phase, (
             f"{why}: once the step works again the agent reported {phase(cleared)} "
             f"({messages(cleared)})\n{cleared.log}"
         )
         assert not unverified(node) and not duplicated_effects(node), f"{why}: {unverified(node)}"
-        if sc.operation == "revert":
+        if sc.phase == "revert":
             assert journal_of(node) == {}, f"{why}: journal left {list(journal_of(node))}"
 
 
 def check_reference(sc: Scenario, base: Path, ref_dir: Path, ref: Run) -> None:
     """What the spec says of the run without the kill."""
     why = f"{sc.describe()} (the run without the kill)"
-    status = ref.out.get("status") or {}
-    if sc.operation == "apply" and sc.error is None:
-        assert phase(ref) == "Ready" and status.get("configGeneration") == 4, (
-            f"{why}: {messages(ref)}"
-        )
+    status = status_of(ref)
+    node, a_node = fault_node.host_state(ref_dir / "root"), fault_node.host_state(base / "root")
+    journal, a_journal = journal_of(ref_dir), journal_of(base)
+    if sc.operation == "back":  # config A again: its verified state, untouched
+        assert phase(ref) == "Ready" and status.get("configGeneration") == 3, messages(ref)
+        assert node == a_node, f"{why}: not A's verified state:\n{diff(node, a_node)}"
+        # the same entries, but for a module step the plan drops once the module is loaded
+        gone = {a_journal[sid]["kind"] for sid in set(a_journal) - set(journal)}
+        same = all(a_journal.get(sid) == entry for sid, entry in journal.items())
+        assert same and gone <= {"kernel-module"}, f"{why}: the journal is not A's"
+    elif sc.phase == "apply" and not sc.errors:
+        ready = phase(ref) == "Ready" and status.get("configGeneration") == 4
+        assert ready, f"{why}: {messages(ref)}"
         assert not unverified(ref_dir), f"{why}: {unverified(ref_dir)}"
-    elif sc.operation == "apply":
-        kind = sc.error.removeprefix("apply.step.") if sc.error else ""
+    elif sc.phase == "apply":
+        kind = sc.errors[0].removeprefix("apply.step.")
         assert phase(ref) == "Failed", f"{why}: reported {phase(ref)}: {messages(ref)}"
-        failed = {p["failed"] for p in ref.out["passes"]}
-        assert failed == {kind}, f"{why}: the passes failed at {failed}"
-        assert len(ref.out["passes"]) == 2, f"{why}: not retried: {ref.out['passes']}"
+        passes = ref.out["passes"]
+        assert {p["failed"] for p in passes} == {kind}, f"{why}: the passes failed: {passes}"
+        assert len(passes) == 2, f"{why}: not retried: {passes}"
         assert "retry" in messages(ref) and "failpoint" in messages(ref), f"{why}: {messages(ref)}"
-        # the last verified state: config A's node and journal, nothing of B left
-        have, want = fault_node.host_state(ref_dir / "root"), fault_node.host_state(base / "root")
-        assert have == want, f"{why}: not A's verified state:\n{diff(have, want)}"
-        assert journal_of(ref_dir) == journal_of(base), f"{why}: the journal is not A's"
-    elif sc.error is None:
+        if len(sc.errors) == 1:
+            # the last verified state: config A's node and journal, nothing of B left
+            assert node == a_node, f"{why}: not A's verified state:\n{diff(node, a_node)}"
+            assert journal == a_journal, f"{why}: the journal is not A's"
+        else:  # a rollback failed: reported, retried, and A's state still journaled
+            assert all(p["undo_errors"] for p in passes), f"{why}: rollback errors: {passes}"
+            assert "rollback" in {e["step"] for e in status.get("errors") or []}, messages(ref)
+            for sid, entry in a_journal.items():
+                kept = journal.get(sid, {})
+                same = [kept.get(k) for k in ("snapshot", "verified", "originalKnown")] == [
+                    entry[k] for k in ("snapshot", "verified", "originalKnown")
+                ]
+                assert same, f"{why}: the journal lost A's {sid}: {kept} (A: {entry})"
+    elif not sc.errors:
         assert phase(ref) == "Reverted", f"{why}: reported {phase(ref)}: {messages(ref)}"
-        assert journal_of(ref_dir) == {}, f"{why}: journal left {list(journal_of(ref_dir))}"
+        assert journal == {}, f"{why}: journal left {list(journal)}"
         pre = base.parent / f"{base.name}-pre"
-        have = kept_by_design(fault_node.host_state(ref_dir / "root"))
+        have = kept_by_design(node)
         want = kept_by_design(fault_node.host_state(pre / "root"))
         assert have == want, f"{why}: not the node before the agent:\n{diff(have, want)}"
     else:
-        kind = sc.error.removeprefix("revert.step.")
+        kind = sc.errors[0].removeprefix("revert.step.")
         assert phase(ref) != "Reverted", f"{why}: reported Reverted though {kind} failed"
-        left = [e for e in journal_of(ref_dir).values() if e["kind"] == kind]
-        assert left and len(left) == len(journal_of(ref_dir)), (
-            f"{why}: the journal should hold exactly the {kind} steps: {list(journal_of(ref_dir))}"
+        left = [e for e in journal.values() if e["kind"] == kind]
+        assert left and len(left) == len(journal), (
+            f"{why}: the journal should hold exactly the {kind} steps: {list(journal)}"
         )
         assert "failpoint" in messages(ref), f"{why}: the failure is not reported: {messages(ref)}"
 
 
 def test_ci_seeds_cover_every_failpoint(nodes: Nodes) -> None:
     """The fixed seeds kill at every failpoint, in both operations, on both nodes."""
-    scenarios = [choose(s, lambda p, o, e: nodes.reference(p, o, e)[1].out["hits"]) for s in SEEDS]
+    scenarios = [choose(s, nodes.count) for s in SEEDS]
     killed = {s.kill[0] for s in scenarios if s.kill}
     assert killed == set(KILL_POINTS), f"no CI seed kills at {set(KILL_POINTS) - killed}"
     assert {(s.profile, s.operation) for s in scenarios} == {
-        (p, o) for p in ("softroce", "mellanox") for o in ("apply", "revert")
+        (p, o) for p in ("softroce", "mellanox") for o in ("apply", "back", "revert")
     }
-    assert {s.operation for s in scenarios if s.error} == {"apply", "revert"}
+    assert {s.phase for s in scenarios if s.errors} == {"apply", "revert"}
+    assert any(len(s.errors) == 2 for s in scenarios), "no CI seed fails a rollback"
