@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fault_node import host_for
+from fault_node import NODE_CHANGED, host_for
 
 from metaroce_agent.loop import Agent, AgentOptions
 from metaroce_agent.steps import STEP_KINDS
@@ -38,8 +38,10 @@ KILL_POINTS = (
     "restore.after_step",
     "revert.after_step",
     "write_atomic.before_rename",
+    NODE_CHANGED,
 )
-"""Where a seed may kill the agent (each is one `failpoint(...)` line in the agent)."""
+"""Where a seed may kill the agent: one `failpoint(...)` line each in the agent, and the
+fake node's after each change it makes (inside a step of several commands)."""
 NEVER = 10**9
 
 

@@ -23,12 +23,15 @@ from fakes import FakeKernel, FixtureHost, SysfsTree, mellanox_node, softroce_no
 
 from metaroce_agent.host import CommandResult
 from metaroce_api import AgentConfig
+from metaroce_api.failpoints import failpoint
 
 STATE_FILE = "kernel.json"
 """The kernel's tables, beside the tree's root."""
 COMMANDS_FILE = "commands.log"
 """Every state-changing command any agent process ran on the node, one per line."""
 READ_ONLY = (" show", " -V", "modprobe -n")
+NODE_CHANGED = "node.after_change"
+"""The fake node's failpoint: after each command that changes it, each file written."""
 
 
 class PersistentTree(SysfsTree):
@@ -60,6 +63,7 @@ class PersistentKernel(FakeKernel):
                 self.save()
                 with open(self.directory / COMMANDS_FILE, "a", encoding="utf-8") as log:
                     log.write(joined + "\n")
+                failpoint(NODE_CHANGED)
 
     def tables(self) -> dict[str, Any]:
         return {
@@ -99,9 +103,31 @@ class PersistentKernel(FakeKernel):
         return kernel
 
 
+class FaultHost(FixtureHost):
+    """`FixtureHost` with the failpoint `node.after_change` after every change to the
+    node's files (sysfs, configfs; not the agent's own state), as after every command:
+    a kill can land inside a step made of several changes."""
+
+    def _changed(self, path: str) -> None:
+        if not path.startswith("/run/metaroce"):
+            failpoint(NODE_CHANGED)
+
+    def write(self, path: str, value: str) -> None:
+        super().write(path, value)
+        self._changed(path)
+
+    def mkdir(self, path: str) -> None:
+        super().mkdir(path)
+        self._changed(path)
+
+    def rmdir(self, path: str) -> None:
+        super().rmdir(path)
+        self._changed(path)
+
+
 def host_for(root: Path) -> FixtureHost:
     """The node at `root` as the agent sees it (a fresh process: state from the files)."""
-    return FixtureHost(root, runner=PersistentKernel.load(root))
+    return FaultHost(root, runner=PersistentKernel.load(root))
 
 
 # --- the nodes and configs the tier uses -----------------------------------------------

@@ -136,11 +136,11 @@ def choose(seed: int, count: Count) -> Scenario:
         # where the operation itself runs (in a revert, the restarted agent's start-up
         # apply pass is not what is tested); with a failing step, in its rollback
         if phase == "revert":
-            mine: tuple[str, ...] = ("revert.", "write_atomic.")
+            mine: tuple[str, ...] = ("revert.", "write_atomic.", "node.")
         elif errors:
-            mine = ("restore.", "write_atomic.")
+            mine = ("restore.", "write_atomic.", "node.")
         else:
-            mine = ("apply.", "write_atomic.")
+            mine = ("apply.", "write_atomic.", "node.")
         points = [p for p in KILL_POINTS if hits.get(p, 0) > 0 and p.startswith(mine)]
         point = rng.choice(points)
         kill = (point, rng.randint(1, hits[point]))
