@@ -44,6 +44,7 @@ from fault_driver import KILL_POINTS
 
 from metaroce_agent.engine import Journal
 from metaroce_agent.qos.tcmark import FILTER_HANDLE
+from metaroce_agent.steps import step_from_record
 
 HERE = Path(__file__).resolve().parent
 DRIVER = HERE / "fault_driver.py"
@@ -451,6 +452,10 @@ def check_reference(sc: Scenario, base: Path, ref_dir: Path, ref: Run) -> None:
         have = kept_by_design(node)
         want = kept_by_design(fault_node.host_state(pre / "root"))
         assert have == want, f"{why}: not the node before the agent:\n{diff(have, want)}"
+        # and says so: nothing applied, no transport, no complaint about what it removed
+        assert not status.get("qos") or not status["qos"].get("applied"), f"{why}: {status}"
+        assert not (status.get("transport") or {}).get("ready"), f"{why}: transport ready"
+        assert not status.get("errors"), f"{why}: a clean revert reports {messages(ref)}"
     else:
         kind = sc.errors[0].removeprefix("revert.step.")
         assert phase(ref) != "Reverted", f"{why}: reported Reverted though {kind} failed"
@@ -459,6 +464,14 @@ def check_reference(sc: Scenario, base: Path, ref_dir: Path, ref: Run) -> None:
             f"{why}: the journal should hold exactly the {kind} steps: {list(journal)}"
         )
         assert "failpoint" in messages(ref), f"{why}: the failure is not reported: {messages(ref)}"
+        # reported as it is: applied are exactly the knobs the failed undo left
+        reported = {
+            (k["name"], k["device"]) for k in (status.get("qos") or {}).get("applied") or []
+        }
+        steps = [step_from_record(e) for e in journal.values()]
+        left = {(s.knob, s.device) for s in steps if s.report}
+        assert reported == left, f"{why}: reports {sorted(reported)} applied, {sorted(left)} are"
+        assert not (status.get("transport") or {}).get("ready"), f"{why}: transport ready"
 
 
 def test_ci_seeds_cover_every_failpoint(nodes: Nodes) -> None:
