@@ -217,6 +217,7 @@ class Nodes:
         d = self.top / f"{self._n:03d}-{name}"
         shutil.copytree(base, d, symlinks=True)
         (d / "agent.log").write_text("")
+        (d / fault_node.COMMANDS_FILE).write_text("")  # what this run does
         return d
 
     def reference(
@@ -280,6 +281,16 @@ def duplicated_effects(node: Path) -> list[str]:
     )
     problems += [f"{n} uverbs nodes for {d.strip()}" for d, n in ibdevs.items() if n > 1]
     return problems
+
+
+TRAFFIC_CUTS = ("rdma link delete", "tc qdisc del")
+"""Commands that cut running jobs' traffic (the rxe link, the marking filters with their
+qdisc): a re-apply (or a restart) never runs them."""
+
+
+def commands(node: Path) -> list[str]:
+    """The state-changing commands the agent ran on `node` since it was copied."""
+    return (node / fault_node.COMMANDS_FILE).read_text().splitlines()
 
 
 def journal_of(node: Path) -> dict[str, Any]:
@@ -389,6 +400,9 @@ def test_agent_converges_after_fault(seed: int, nodes: Nodes) -> None:
         f"reported {phase(ref)} ({messages(ref)})"
     )
 
+    if sc.phase == "apply":  # a restart never cuts a running job's traffic
+        cut = [c for c in commands(node) if c.startswith(TRAFFIC_CUTS)]
+        assert not cut, f"{why}: a re-apply ran {cut}"
     for part in ("qos", "transport", "configGeneration", "reverted"):
         got, expected = status_of(again).get(part), status_of(ref).get(part)
         assert got == expected, f"{why}: reported {part} {got}, without the kill {expected}"
