@@ -33,9 +33,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from metaroce_agent.host import Host
+from metaroce_agent.host import Host, HostError
 from metaroce_agent.plan import Plan
 from metaroce_agent.steps import Json, Step, StepError, step_from_record
+from metaroce_api.failpoints import failpoint
 
 log = logging.getLogger("metaroce.agent.engine")
 
@@ -82,6 +83,7 @@ class Journal:
         return bool(self.problem)
 
     def load(self) -> None:
+        self._remove_temporaries()
         text = self.host.read_opt(self.path)
         self.entries = {}
         if text is None:
@@ -111,6 +113,19 @@ class Journal:
                 self.host.rename(self.path, aside)
             except Exception as move_error:
                 log.error("cannot move the unreadable journal aside: %s", move_error)
+
+    def _remove_temporaries(self) -> None:
+        """Remove temporary journals a killed agent left before their rename: the journal
+        in place is the valid one, and each crash would otherwise leave another. The agent
+        is the journal's only writer, so none of them is being written now."""
+        directory, name = self.path.rsplit("/", 1)
+        for leftover in self.host.listdir(directory):
+            if leftover.startswith(f".{name}.") and leftover.endswith(".tmp"):
+                log.warning("removing %s/%s, left by a killed agent", directory, leftover)
+                try:
+                    self.host.remove(f"{directory}/{leftover}")
+                except HostError as e:  # litter, not a reason to stop
+                    log.warning("%s", e)
 
     def save(self) -> None:
         body = {"version": 1, "entries": [e.to_json() for e in self.entries.values()]}
@@ -208,8 +223,11 @@ class Engine:
                     snapshot, known = step.snapshot(self.host), not self.journal.originals_lost
                 self.journal.put(step, snapshot, previous, known)
                 changes.append((step, previous))
+                failpoint("apply.before_step")  # journaled, not applied
                 log.info("[%d/%d] apply %s = %s", i, total, step.name, step.value())
+                failpoint(f"apply.step.{step.kind}")  # the fault tier's failing step
                 step.apply(self.host)
+                failpoint("apply.after_step")  # applied, not read back
                 problem = step.verify(self.host)
                 if problem is not None:
                     raise StepError(f"read back after apply: {problem}")
@@ -233,6 +251,7 @@ class Engine:
                     seconds=time.monotonic() - start,
                     changed=len(changes),
                 )
+        failpoint("apply.before_commit")  # every step verified, not yet journaled as such
         self.journal.commit(done)
         undo_errors = self._undo_stale({s.id for s in plan.steps})
         seconds = time.monotonic() - start
@@ -249,6 +268,7 @@ class Engine:
             log.info("undo %s: no longer planned", entry.step.name)
             try:
                 entry.step.undo(self.host, entry.snapshot)
+                failpoint("apply.stale.after_undo")  # undone, still journaled
                 self.journal.drop(entry.step.id)
             except Exception as e:
                 errors.append(f"undo {entry.step.name} (no longer planned): {e}")
@@ -266,8 +286,10 @@ class Engine:
             if entry is None:
                 continue
             try:
+                failpoint(f"restore.step.{step.kind}")  # the fault tier's failing rollback
                 if previous is None:
                     step.undo(self.host, entry.snapshot)
+                    failpoint("restore.after_step")  # undone, still journaled
                     self.journal.drop(step.id)
                 else:
                     if previous.verify(self.host) is not None:
@@ -275,6 +297,7 @@ class Engine:
                         problem = previous.verify(self.host)
                         if problem is not None:
                             raise StepError(f"read back after restoring: {problem}")
+                    failpoint("restore.after_step")  # restored, journal still says the new step
                     self.journal.put(previous, entry.snapshot, previous, entry.original_known)
                 rolled.append(step.name)
             except Exception as e:
@@ -327,7 +350,9 @@ class Engine:
                 self.journal.drop(entry.step.id)
                 continue
             try:
+                failpoint(f"revert.step.{entry.step.kind}")  # the fault tier's failing undo
                 entry.step.undo(self.host, entry.snapshot)
+                failpoint("revert.after_step")  # undone, still journaled
                 result.undone.append(entry.step.name)
                 self.journal.drop(entry.step.id)
             except Exception as e:

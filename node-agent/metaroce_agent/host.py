@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from metaroce_api.failpoints import failpoint
+
 log = logging.getLogger("metaroce.agent.host")
 
 ALLOWED_PREFIXES = ("/sys", "/proc", "/dev", "/run/metaroce", "/etc/metaroce")
@@ -218,6 +220,7 @@ class Host:
                 os.fsync(fd)
             finally:
                 os.close(fd)
+            failpoint("write_atomic.before_rename")  # the new content durable, not in place
             os.replace(tmp, target)
             dirfd = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY)
             try:

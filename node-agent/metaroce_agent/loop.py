@@ -49,6 +49,7 @@ from metaroce_agent.kube import METADATA_WATCH, KubeClient, KubeError, cluster_p
 from metaroce_agent.plan import Plan, make_plan, select_netdevs
 from metaroce_agent.primary import node_internal_ips, primary_interfaces, read_primary_facts
 from metaroce_agent.report import ErrorLog, NodeStateWriter, build_status, now
+from metaroce_agent.steps import Step
 from metaroce_agent.transport.stats import (
     ContainerRef,
     HoldersSource,
@@ -178,6 +179,8 @@ class AgentState:
     """Consecutive failed apply passes (0 after a pass that verified)."""
     next_retry: float | None = None
     """`time.monotonic()` of the next attempt after a failed pass; None when none is due."""
+    revert_left: list[Step] | None = None
+    """After a revert that failed: the steps still applied (journaled); None otherwise."""
 
 
 class Agent:
@@ -308,6 +311,7 @@ class Agent:
         with self._lock:
             st = self.state
             st.config = self.config
+            st.revert_left = None
             t = {"start": time.monotonic()}
             log.info(
                 "apply pass for network %s generation %d",
@@ -432,6 +436,9 @@ class Agent:
                 + [(f"revert {name}", msg) for name, msg in result.left]
             )
             st.reverted = result.ok
+            st.revert_left = (
+                None if result.ok else [e.step for e in self.engine.journal.entries.values()]
+            )
             if result.ok:
                 log.info("reverted %d step(s) in %.2f s", len(result.undone), result.seconds)
             self.discover()
@@ -595,6 +602,7 @@ class Agent:
             reverting=reverting,
             previous=st.status,
             last_applied=st.last_applied,
+            revert_left=st.revert_left,
         )
 
     def report(self) -> None:

@@ -30,6 +30,7 @@ from metaroce_agent.discover import Inventory
 from metaroce_agent.engine import ApplyResult
 from metaroce_agent.kube import KubeClient, KubeError, cluster_path
 from metaroce_agent.plan import Plan
+from metaroce_agent.steps import Step
 from metaroce_agent.transport.base import select_gid
 from metaroce_agent.transport.select import DRIVERS
 from metaroce_api import (
@@ -172,26 +173,36 @@ def build_status(
     reverting: bool = False,
     previous: MetaRoceNodeStateStatus | None = None,
     last_applied: datetime | None = None,
+    revert_left: Sequence[Step] | None = None,
 ) -> MetaRoceNodeStateStatus:
-    """The NodeState status for the agent's current knowledge (pure)."""
+    """The NodeState status for the agent's current knowledge (pure).
+
+    `revert_left`: after a revert that failed, the steps still applied (the journal's);
+    None when no revert failed since the last apply pass."""
     phase: NodeStatePhase
-    applied_ok = bool(result and result.ok)
+    revert_failed = revert_left is not None and not reverted
+    applied_ok = bool(result and result.ok) and not reverted and not revert_failed
     transport, device_problems = transport_state(config, inventory, plan, applied_ok)
+    if reverted or reverting or revert_failed:
+        device_problems = []  # the revert removes the devices it made on purpose
     errs = list(errors.items)
     if device_problems:
         extra = ErrorLog(list(errs))
         extra.set([(e.step, e.message) for e in errs] + device_problems)
         errs = extra.items
 
-    applied = (
-        [
-            AppliedKnob(name=s.knob, device=s.device, value=s.value()[:256], method=s.method)
-            for s in result.applied
-            if s.report
-        ]
+    still = (
+        revert_left
+        if revert_left is not None
+        else result.applied
         if result and result.ok and not reverted
         else []
     )
+    applied = [
+        AppliedKnob(name=s.knob, device=s.device, value=s.value()[:256], method=s.method)
+        for s in still
+        if s.report and not reverted
+    ]
     skipped = [
         SkippedKnob(name=s.knob, device=s.device, reason=s.reason[:1024])
         for s in (plan.skipped if plan else ())
@@ -201,6 +212,10 @@ def build_status(
         phase, reason, msg = "Reverted", REASON_REVERTED, "node settings reverted (cleanupOnDelete)"
     elif reverting:
         phase, reason, msg = "Reverting", REASON_REVERTED, "reverting node settings"
+    elif revert_failed:
+        phase, reason = "Degraded", REASON_DEGRADED
+        msg = "revert incomplete (retrying): " + "; ".join(e.message for e in errs)
+        msg = msg[:2000]
     elif plan is None or result is None:
         phase, reason, msg = "Pending", REASON_PENDING, "not applied yet"
     elif not plan.ok:

@@ -74,3 +74,19 @@ def test_a_corrupt_journal_is_kept_and_its_originals_are_not_invented(node) -> N
     assert "roce-tos port1 on rxe_eth0" in left and "original" in left["roce-tos port1 on rxe_eth0"]
     assert n.host.read(TOS) == "136"
     assert len(Journal(n.host, "rdma-a")) == 0
+
+
+def test_a_temporary_journal_left_by_a_kill_is_removed_at_start(node) -> None:  # type: ignore[no-untyped-def]
+    """A kill between writing the temporary journal and its rename (the fault tier's
+    write_atomic.before_rename) leaves `.journal.json.<pid>.tmp`; the journal in place is
+    the valid one, and the next agent process removes the leftover instead of adding one
+    per crash."""
+    n = node(softroce_node)
+    assert Engine(n.host, Journal(n.host, "rdma-a")).apply(plan_for(n, _cfg(26))).ok
+    before = n.host.read(JOURNAL)
+    leftover = "/run/metaroce/agent/rdma-a/.journal.json.4242.tmp"
+    n.host.write(leftover, '{"version": 1, "entries": []}')
+    journal = Journal(n.host, "rdma-a")
+    assert not journal.problem and len(journal) > 0
+    assert not n.host.exists(leftover)
+    assert n.host.read(JOURNAL) == before

@@ -270,3 +270,38 @@ def test_merge_patch_is_rfc7386() -> None:
     }
     assert merge_patch(new, new) == {}
     assert merge_patch({}, new) == new
+
+
+def test_a_revert_that_failed_reports_only_what_it_left(node) -> None:  # type: ignore[no-untyped-def]
+    """Found by the fault tier (seeds 17, 27, 29, 39): after an undo that failed, the
+    NodeState listed every knob as applied and the transport ready, though all but the
+    failed one were undone."""
+    n = node(softroce_node)
+    cfg, plan, result = applied_softroce(n)
+    left = [s for s in plan.steps if s.knob == "mtu"] or [plan.steps[-1]]
+    status = build_status(
+        config=cfg, inventory=n.inventory(), plan=plan, result=result,
+        errors=ErrorLog([]), drift_corrections=0, revert_left=left,
+    )  # fmt: skip
+    assert status.phase == "Degraded"
+    applied = {(k.name, k.device) for k in (status.qos.applied or [])} if status.qos else set()
+    assert applied == {(s.knob, s.device) for s in left if s.report}
+    assert status.transport is not None and not status.transport.ready
+    ready = status.conditions[0] if status.conditions else None
+    assert ready is not None and "revert incomplete" in ready.message
+
+
+def test_a_clean_revert_does_not_complain_about_the_devices_it_removed(node) -> None:  # type: ignore[no-untyped-def]
+    """Found by the fault tier (seed 20): a Reverted softroce NodeState said
+    'rxe_eth0 does not exist' of the link the revert removed on purpose."""
+    n = node(softroce_node)
+    cfg, plan, result = applied_softroce(n)
+    assert Engine(n.host, Journal(n.host, cfg.network)).revert().ok
+    status = build_status(
+        config=cfg, inventory=n.inventory(), plan=plan, result=result, errors=ErrorLog(),
+        drift_corrections=0, reverted=True,
+    )  # fmt: skip
+    assert status.phase == "Reverted"
+    assert not status.errors, status.errors
+    assert status.transport is not None and not status.transport.ready
+    assert not (status.qos and status.qos.applied)
