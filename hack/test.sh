@@ -11,6 +11,7 @@ BUDGET_LINT=${BUDGET_LINT:-300}
 BUDGET_UNIT=${BUDGET_UNIT:-300}
 BUDGET_TRANSPORT=${BUDGET_TRANSPORT:-1500}
 BUDGET_INTEGRATION=${BUDGET_INTEGRATION:-1500}
+BUDGET_FAULT=${BUDGET_FAULT:-900}
 BUDGET_E2E=${BUDGET_E2E:-2100}
 
 say() { printf '\n[test] %s\n' "$*" >&2; }
@@ -44,6 +45,7 @@ run_step lint "$BUDGET_LINT" bash -c '.venv/bin/ruff check . && .venv/bin/ruff f
 run_step unit "$BUDGET_UNIT" .venv/bin/pytest tests/unit -q
 run_step transport "$BUDGET_TRANSPORT" bash hack/test-transport.sh
 run_step integration "$BUDGET_INTEGRATION" .venv/bin/pytest tests/integration -q -m integration --durations=15
+run_step fault "$BUDGET_FAULT" .venv/bin/pytest tests/fault -q -m fault --durations=10
 run_step e2e "$BUDGET_E2E" .venv/bin/pytest tests/e2e -q -m e2e --durations=15
 print_summary
 say "all tiers passed"
