@@ -18,8 +18,8 @@
 # glibc stubs; the host's rustup target, no extra one), the C parts with `zig cc -target
 # x86_64-linux-gnu.$GLIBC_FLOOR` against Debian's libfabric-dev headers. zig (PyPI's
 # ziglang) and cargo-zigbuild (crates.io) are pinned below and installed when missing
-# under ${XDG_CACHE_HOME:-~/.cache}/metaroce/tools/, keyed by their versions (cold: ~2
-# min, mostly compiling cargo-zigbuild). tests/transport/test_abi.py checks the result.
+# under ${XDG_CACHE_HOME:-~/.cache}/metaroce/tools/, keyed by their versions (cold: about
+# a minute, mostly compiling cargo-zigbuild). tests/transport/test_abi.py checks the result.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -69,8 +69,9 @@ if [[ ! -x "$zig_dir/zig" || ! -x "$czb_dir/bin/cargo-zigbuild" ]]; then
     t0=$SECONDS
     say "installing cargo-zigbuild $CARGO_ZIGBUILD_VERSION (crates.io) into $czb_dir"
     rm -rf "$czb_dir.tmp"
-    # Its own target dir: not the transport's, and gone after the install.
-    CARGO_TARGET_DIR="$czb_dir.tmp/target" nice -n 10 cargo install -q --locked \
+    # Its own target dir: not the transport's, and gone after the install. --debug: it
+    # only drives cargo and zig, and compiles in a third of the time (CI's cold run).
+    CARGO_TARGET_DIR="$czb_dir.tmp/target" nice -n 10 cargo install -q --locked --debug \
       cargo-zigbuild --version "$CARGO_ZIGBUILD_VERSION" --root "$czb_dir.tmp" >&2 \
       || die "cargo install cargo-zigbuild $CARGO_ZIGBUILD_VERSION failed: is crates.io reachable?"
     rm -rf "$czb_dir.tmp/target"
