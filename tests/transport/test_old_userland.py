@@ -14,10 +14,14 @@ network namespace: loopback):
 - the provider's self-test (libfabric's public API, two endpoints on loopback).
 
 Suites: bullseye (Debian 11: glibc 2.31, libfabric 1.11) and trixie (Debian 13: glibc
-2.41, libfabric 2.1). The provider is built against Debian 12's libfabric-dev (1.17):
-libfabric loads any provider declaring FI_VERSION 1.3 or later (no ceiling), and the
-self-test asks for the image's own API version where that is older than 1.17. A failure
-names the root's libfabric, the provider's FI_VERSION and what libfabric logged.
+2.41, libfabric 2.1). The provider is built against Debian 12's libfabric-dev (1.17) and
+declares FI_VERSION(1, 17): libfabric registers any provider declaring 1.3 or later, and
+the self-test asks for API 1.17 (or the image's own version where that is older). libfabric
+2.x hides such a provider from callers asking for a newer API than its FI_VERSION
+("Provider metaroce fi_version 1.17 < requested 2.1"): fi_info does (it asks for the
+library's own version), so on trixie that check is an xfail naming the reason, until the
+provider is also built against 2.x headers; any other failure fails, naming the root's
+libfabric, the provider's FI_VERSION and what libfabric logged.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ BUILD_SCRIPT = ROOT / "hack" / "build-transport.sh"
 USERLAND_SCRIPT = ROOT / "hack" / "build-userland.sh"
 FABRIC_H = Path("/usr/include/rdma/fabric.h")
 """The libfabric-dev headers the provider is built against (its fi_version)."""
-SUITES = ("bullseye",)
+SUITES = ("bullseye", "trixie")
 LAYOUT = {
     "libmetaroce-fi.so": "lib/libmetaroce-fi.so",
     "libnccl-net-metaroce.so": "lib/libnccl-net-metaroce.so",
@@ -227,7 +231,15 @@ def test_libfabric_lists_the_provider_beside_the_images_own(userland: Userland) 
     assert own <= appended, f"{userland.suite}: FI_PROVIDER_PATH hid {sorted(own - appended)}"
     assert "metaroce" in appended, why_not_loaded(userland)
     res = userland.run(["fi_info", "-p", "metaroce"], {"FI_PROVIDER_PATH": provider_path()})
-    assert res.returncode == 0 and "provider: metaroce" in res.stdout, res.stdout + res.stderr
+    if res.returncode != 0:
+        why = why_not_loaded(userland)
+        built = built_fi_version()
+        if f"Provider metaroce fi_version {built[0]}.{built[1]} < requested" in why:
+            # libfabric 2.x registers the provider but hides it from a caller asking for
+            # a newer API than its FI_VERSION (fi_info asks for the library's own): the
+            # known gap until the provider is also built against 2.x headers.
+            pytest.xfail(f"fi_info -p metaroce: {res.stderr.strip()}; {why}")
+    assert res.returncode == 0 and "provider: metaroce" in res.stdout, why_not_loaded(userland)
     print(f"{userland.suite}: image's providers {sorted(own)}, with FI_PROVIDER_PATH also metaroce")
 
 
