@@ -823,6 +823,7 @@ class Controller:
             if not same_status(new, previous):
                 await self._write_status(name, body, new, previous)
         if view.pending and not view.timed_out:
+            failpoint("cleanup.waiting")  # nodes still to revert: the finalizer must stay
             return
         if view.timed_out:
             log.warning(
