@@ -30,6 +30,7 @@ from typing import Any
 
 from metaroce_api import InvalidObject, MetaRoceNetwork, parse_duration, validate_network
 from metaroce_api import constants as c
+from metaroce_api.failpoints import failpoint
 from metaroce_operator import cleanup, crash, events, metrics, probes, taints, upgrade
 from metaroce_operator.apply import ApplyFailed, apply_children
 from metaroce_operator.claim import CLAIM_ANNOTATION, claim_patch, claimant, split_claim
@@ -101,6 +102,7 @@ DRIFT_CHECKED = ("DaemonSet", "ClusterRole", "ClusterRoleBinding")
 
 def _kill_point(kind: str) -> None:
     """TEST ONLY (see `crash`): exit after the ConfigMap or the DaemonSet was applied."""
+    failpoint("rollout.after_child")  # between child kinds (the fault tier)
     if kind == "ConfigMap":
         crash.point("after-configmap")
     elif kind == "DaemonSet":
@@ -546,6 +548,7 @@ class Controller:
             # First: a child that exists without it would be collected unreverted if the
             # network were deleted before the finalizer came.
             await cleanup.set_finalizer(self.kube, name, True, c.FIELD_MANAGER)
+            failpoint("rollout.after_finalizer")
         holding = bool(upgrade.holding(self.store.holds.get(name, ())))
         children = render_network(
             network, self.settings.render, config_generation=config_gen, nodes_holding=holding
@@ -566,6 +569,7 @@ class Controller:
             )
             role = await self._apply(name, anchored()[:1])
             anchor_uid = str(role[0]["metadata"]["uid"])
+            failpoint("rollout.after_anchor")
             children = anchored(anchor_uid=anchor_uid)
             await self._ensure_probe_key(
                 name, RenderContext.build(network, self.settings.render, config_gen,
@@ -577,6 +581,7 @@ class Controller:
                 name, RenderContext.build(network, self.settings.render, config_gen)
             )
             await self._apply(name, children)
+        failpoint("rollout.after_children")  # applied, not yet known as applied (no status)
         await self._drop_leftover_policies(name)
         if has and not wants:
             await cleanup.set_finalizer(self.kube, name, False, c.FIELD_MANAGER)
@@ -763,6 +768,7 @@ class Controller:
 
     async def _write_status(self, name: str, body: dict[str, Any], new: Any, previous: Any) -> None:
         crash.point("during-status")
+        failpoint("status.before_write")
         obj = {
             "apiVersion": c.API_VERSION,
             "kind": c.NETWORK_KIND,
@@ -817,6 +823,7 @@ class Controller:
             if not same_status(new, previous):
                 await self._write_status(name, body, new, previous)
         if view.pending and not view.timed_out:
+            failpoint("cleanup.waiting")  # nodes still to revert: the finalizer must stay
             return
         if view.timed_out:
             log.warning(
@@ -831,13 +838,16 @@ class Controller:
         # render.common.anchor_references), then the network.
         shared = self.settings.render.agent_cluster_role is not None
         anchor = CLUSTERROLEBINDING if shared else CLUSTERROLE
+        failpoint("cleanup.before_anchor_delete")  # every node reverted (or timed out)
         if await self.kube.delete(anchor, child_name(name)):
             log.info(
                 "%s: deleted its agents' %s; the rest is garbage-collected",
                 name,
                 anchor_kind(self.settings.render),
             )
+        failpoint("cleanup.before_finalizer")  # the agents are going, the network stays
         await cleanup.set_finalizer(self.kube, name, False, c.FIELD_MANAGER)
+        failpoint("cleanup.after_finalizer")  # gone: its NodeStates, labels, taints are orphans
 
     def _recheck_at(self, name: str, delay: float) -> None:
         if name in self._timers:
@@ -975,6 +985,7 @@ class Controller:
         )
         for node, value in plan.items():
             await self._set_node_label(node, label, value)
+            failpoint("labels.after_set")
             if value == c.NODE_REVERT:
                 self.store.revert_asked.setdefault((name, node), clock)
                 log.info("%s: node %s left the network: asked its agent to revert it", name, node)
@@ -999,11 +1010,13 @@ class Controller:
         for node, gone in orphaned_labels(labels, live).items():
             for label in gone:
                 await self._set_node_label(node, label, None)
+                failpoint("labels.after_orphan_removed")
                 log.info("removed the label %s of a deleted network from node %s", label, node)
 
     async def _remove_orphaned_taints(self, live_networks: set[str]) -> None:
         """Taints of networks that are gone (the network's own planning stops with it)."""
         for node, network in taints.orphaned_taints(self.store.nodes or {}, live_networks).items():
+            failpoint("taints.before_orphan_removed")
             if await taints.set_taint(self.kube, node, network, False):
                 log.info("removed the taint of deleted network %s from node %s", network, node)
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from metaroce_api.failpoints import failpoint
 from metaroce_operator import metrics
 from metaroce_operator.kube import KINDS, ApiError, Kube
 
@@ -208,6 +209,7 @@ class LeaderElector:
         """Wait until this replica holds the lease (True) or `stop` is set (False)."""
         announced = ""
         while not stop.is_set():
+            failpoint("lease.candidate")  # each try to lead (a follower's kill point)
             self.heartbeat = self.clock()
             sent = self.clock()
             try:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from metaroce_api import constants as c
+from metaroce_api.failpoints import failpoint
 from metaroce_operator.kube import KINDS, MERGE_PATCH, ApiError, Kube
 from metaroce_operator.observed import NodeView
 
@@ -158,6 +159,7 @@ async def set_taint(kube: Kube, node: str, network: str, tainted: bool) -> bool:
             if err.status == 409:
                 continue
             raise
+        failpoint("taints.after_set" if tainted else "taints.after_remove")
         log.info("%s taint %s on node %s", "set" if tainted else "removed", network, node)
         return True
     log.warning("node %s kept changing; its taint is retried in the next node pass", node)

@@ -22,6 +22,7 @@ from typing import Any
 
 from metaroce_api import InvalidObject, MetaRoceNetwork, validate_network
 from metaroce_api.constants import GROUP, NETWORK_PLURAL, VERSION
+from metaroce_api.failpoints import failpoint
 from metaroce_operator.webhooks import metrics
 from metaroce_operator.webhooks.certs import CertBundle, write_cert_files
 from metaroce_operator.webhooks.mutate import NetworkView
@@ -350,6 +351,7 @@ class SecretWatch:
         if bundle is None or bundle == self._last:
             return
         write_cert_files(bundle, self.directory)
+        failpoint("certs.after_reload")  # every replica: files written, server not reloaded
         self._last = bundle
         self.ready.set()
         log.info("webhook: certificate files updated from Secret %s/%s", self.namespace, self.name)

@@ -39,6 +39,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from metaroce_api.failpoints import failpoint
+
 log = logging.getLogger("metaroce.webhooks.certs")
 
 CERT_DAYS = 365
@@ -362,6 +364,7 @@ def ensure_secret(
             assert current is not None
             return current, None
         body = _secret_body(name, namespace, plan.bundle, version)
+        failpoint("certs.before_secret")
         try:
             if secret is None:
                 core.create_namespaced_secret(namespace, body)
@@ -372,6 +375,7 @@ def ensure_secret(
                 force = force_ca = False  # someone else just wrote it: take theirs
                 continue
             raise
+        failpoint("certs.after_secret")  # the caBundles do not trust a new CA yet
         log.info("webhook certificate Secret %s/%s: %s", namespace, name, plan.reason)
         return plan.bundle, plan.reason
     raise RuntimeError(f"could not settle the certificate Secret {namespace}/{name} (409 x3)")
@@ -428,6 +432,7 @@ def patch_ca_bundles(
                     )
             if ops:
                 patch(name, ops)
+                failpoint("certs.after_ca_bundle")  # one configuration patched, maybe not all
                 patched.append(f"{kind}/{name}")
     if patched:
         log.info("caBundle written to %s", ", ".join(patched))
