@@ -15,6 +15,7 @@ the host's lo, no cluster directories of this process.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -89,10 +90,9 @@ def kube() -> Iterator[Kube]:
         kubectl = shutil.which("kubectl") or ensure_binaries()["kubectl"]
         yield Kube(Path(external), names, test_image, kubectl)
         return
-    with (
-        LocalCluster(extra_apiserver_args=APISERVER_ARGS) as cluster,
-        RealNodes(cluster, count=2) as nodes,
-    ):
+    with _REAL_NODES:
+        cluster = _REAL_NODES.enter_context(LocalCluster(extra_apiserver_args=APISERVER_ARGS))
+        nodes = _REAL_NODES.enter_context(RealNodes(cluster, count=2))
         assert cluster.kubeconfig is not None
         yield Kube(
             cluster.kubeconfig,
@@ -102,6 +102,19 @@ def kube() -> Iterator[Kube]:
             real_nodes=nodes,
             timings=dict(nodes.timings),
         )
+
+
+_REAL_NODES = contextlib.ExitStack()
+"""The real nodes and their control plane: closed after the last test of this folder,
+not at the end of the session. Idle, each node's kubelet and containerd keep about half
+a host core busy under TCG, which the e2e tests after this folder need (seen 2026-12-01:
+the tier's later guests ran beside them for 25 minutes)."""
+_HERE = Path(__file__).parent
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    if nextitem is None or _HERE not in Path(str(nextitem.path)).parents:
+        _REAL_NODES.close()  # idempotent: the fixture's own exit is then a no-op
 
 
 _FIGURES: list[str] = []
