@@ -893,6 +893,34 @@ def leftovers(pid: int | None = None) -> list[str]:
     return found
 
 
+@contextlib.contextmanager
+def session_cluster(nodes: Sequence[FakeNode]) -> Iterator[LocalCluster]:
+    """A started control plane for a test session; stopped after, and nothing of this
+    process may be left behind (AssertionError naming what was)."""
+    logging.getLogger("metaroce").setLevel(logging.INFO)
+    local = LocalCluster(list(nodes))
+    local.start()
+    print(f"\n[harness] control plane ready in {local.ready_seconds:.1f} s ({local.log_dir})")
+    try:
+        yield local
+    finally:
+        local.stop()
+        left = leftovers(os.getpid())
+        assert not left, f"the harness left these behind after the session: {left}"
+
+
+def fresh_namespace(cluster: LocalCluster, prefix: str) -> str:
+    """A new namespace `<prefix>-<random>`, returned once its default ServiceAccount
+    exists (pods cannot be created in it before)."""
+    name = f"{prefix}-{os.urandom(4).hex()}"
+    cluster.kubectl("create", "namespace", name)
+    deadline = time.monotonic() + 30
+    while cluster.kubectl("get", "sa", "default", "-n", name, check=False).returncode != 0:
+        assert time.monotonic() < deadline, f"namespace {name} got no default ServiceAccount"
+        time.sleep(0.2)
+    return name
+
+
 # --------------------------------------------------------------------------- CLI
 
 

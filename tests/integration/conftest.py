@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import logging
-import os
-import secrets
-import time
 from collections.abc import Iterator
 
 import pytest
 
-from metaroce_harness.cluster import FakeNode, LocalCluster, leftovers
+from metaroce_harness.cluster import FakeNode, LocalCluster, fresh_namespace, session_cluster
 
 # The session's base nodes; tests that need other shapes add their own with unique names.
 BASE_NODES = [
@@ -24,26 +20,13 @@ BASE_NODES = [
 
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[LocalCluster]:
-    logging.getLogger("metaroce").setLevel(logging.INFO)
-    local = LocalCluster(BASE_NODES)
-    local.start()
-    print(f"\n[harness] control plane ready in {local.ready_seconds:.1f} s ({local.log_dir})")
-    try:
+    with session_cluster(BASE_NODES) as local:
         yield local
-    finally:
-        local.stop()
-        left = leftovers(os.getpid())
-        assert not left, f"the harness left these behind after the session: {left}"
 
 
 @pytest.fixture
 def namespace(cluster: LocalCluster) -> Iterator[str]:
     """A fresh namespace per test (with its default ServiceAccount), deleted afterwards."""
-    name = f"t-{secrets.token_hex(4)}"
-    cluster.kubectl("create", "namespace", name)
-    deadline = time.monotonic() + 30
-    while cluster.kubectl("get", "sa", "default", "-n", name, check=False).returncode != 0:
-        assert time.monotonic() < deadline, f"namespace {name} got no default ServiceAccount"
-        time.sleep(0.2)
+    name = fresh_namespace(cluster, "t")
     yield name
     cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)

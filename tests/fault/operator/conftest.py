@@ -4,17 +4,13 @@ support (tests/integration/operator/operator_env.py), reused, not copied."""
 
 from __future__ import annotations
 
-import logging
-import os
-import secrets
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from metaroce_harness.cluster import FakeNode, LocalCluster, leftovers
+from metaroce_harness.cluster import FakeNode, LocalCluster, fresh_namespace, session_cluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "integration" / "operator"))
 
@@ -29,28 +25,15 @@ NODES = [
 
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[LocalCluster]:
-    logging.getLogger("metaroce").setLevel(logging.INFO)
-    local = LocalCluster(NODES)
-    local.start()
-    print(f"\n[harness] control plane ready in {local.ready_seconds:.1f} s ({local.log_dir})")
-    try:
+    with session_cluster(NODES) as local:
         apply_crds(local)
         yield local
-    finally:
-        local.stop()
-        left = leftovers(os.getpid())
-        assert not left, f"the harness left these behind after the session: {left}"
 
 
 @pytest.fixture
 def env(cluster: LocalCluster, tmp_path: Path) -> Iterator[OperatorEnv]:
     """A fresh agent namespace per run (the operator's Lease and Secret live there too)."""
-    namespace = f"f-{secrets.token_hex(4)}"
-    cluster.kubectl("create", "namespace", namespace)
-    deadline = time.monotonic() + 30
-    while cluster.kubectl("get", "sa", "default", "-n", namespace, check=False).returncode:
-        assert time.monotonic() < deadline, f"namespace {namespace} got no default ServiceAccount"
-        time.sleep(0.2)
+    namespace = fresh_namespace(cluster, "f")
     e = OperatorEnv(cluster, namespace, tmp_path)
     try:
         yield e
