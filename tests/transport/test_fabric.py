@@ -203,10 +203,19 @@ def test_control_link_is_never_impaired(clean: fabric.MultipathFabric) -> None:
 
 
 def test_each_link_is_shaped_to_its_tbf_rate(clean: fabric.MultipathFabric) -> None:
+    # UDP payload of 1472 B in 1514 B frames: at most 97 % of 250 Mbit/s is payload.
+    # Below the ceiling, tbf must carry what was offered: on this 2-core host four iperf3
+    # floods often cannot offer their 1.3x target (210-230 Mbit/s each at load 1.2,
+    # received within 2 % of it), and that limit is the host's, not tbf's; the floor is
+    # therefore 85 % of the rate or 95 % of the offer, whichever is lower.
     cap = clean.capacity(seconds=3)
     for dev, mbit in cap["per_link_mbit"].items():
-        # UDP payload of 1472 B in 1514 B frames: at most 97 % of 250 Mbit/s is payload
-        assert 0.85 * 250 <= mbit <= 0.975 * 250, f"{dev}: {mbit:.1f} Mbit/s"
+        offered = cap["offered_per_link_mbit"][dev]
+        assert offered >= 100, f"{dev}: the sender offered only {offered:.1f} Mbit/s"
+        floor = min(0.85 * 250, 0.95 * offered)
+        assert floor <= mbit <= 0.975 * 250, (
+            f"{dev}: received {mbit:.1f} Mbit/s of {offered:.1f} offered"
+        )
 
 
 def test_jumbo_mtu_fabric_carries_9000_byte_frames() -> None:

@@ -211,6 +211,15 @@ def parse_route_dev(text: str) -> str:
     return m.group(1)
 
 
+def offered_mbit(client_json: str, payload: int) -> float:
+    """The UDP payload rate (Mbit/s) an iperf3 client's JSON report says it sent."""
+    try:
+        summ = json.loads(client_json)["end"]["sum"]
+        return float(summ["packets"]) * payload * 8 / float(summ["seconds"]) / 1e6
+    except (ValueError, KeyError, TypeError, ZeroDivisionError) as e:
+        raise FabricError(f"iperf3 client report unreadable ({e}): {client_json[:200]!r}") from e
+
+
 def new_name(prefix: str = NAME_PREFIX) -> str:
     if not _PREFIX_RE.match(prefix):
         raise ValueError(f"prefix={prefix!r}: 2-8 characters, a-z then a-z/0-9 (e.g. mrf)")
@@ -664,8 +673,10 @@ class MultipathFabric(Fabric):
                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                 )  # fmt: skip
             per_link: dict[str, float] = {}
+            offered: dict[str, float] = {}
             for dev in self.data_links():
-                clients[dev].communicate(timeout=seconds + 30)
+                sent_out, _ = clients[dev].communicate(timeout=seconds + 30)
+                offered[dev] = offered_mbit(sent_out, payload)
                 out, _ = servers[dev].communicate(timeout=30)
                 doc = json.loads(out)
                 if "error" in doc:
@@ -684,6 +695,9 @@ class MultipathFabric(Fabric):
             "payload_bytes": payload,
             "seconds": seconds,
             "per_link_mbit": per_link,
+            # what each sender managed to offer: on a busy host iperf3 may not reach its
+            # 1.3x target, and then the link's received rate says nothing about tbf
+            "offered_per_link_mbit": offered,
             "total_mbit": total,
             "total_wire_mbit": wire,
             "configured_mbit": self.rate_mbit * self.links,
