@@ -537,6 +537,20 @@ def print_tables(
                 f"{mbs:>8}{fmt_ratio(m / b_bw if b_bw else None):>7}{m / capacity:6.3f} | "
                 f"{nft:9d}{tbf:9d} {row['loadavg']:>15}"
             )
+    perf_rows = {lab: r["perf"] for lab, r in report["goodput"].get("metaroce", {}).items()
+                 if "perf" in r}  # fmt: skip
+    if perf_rows:
+        base_perf = perf_rows.get("0%", {}).get("goodput_mbit") or None
+        print("\n== metaroce-perf (the transport's own tool, 1 MiB messages): Mbit/s")
+        for label, r in perf_rows.items():
+            g = float(r.get("goodput_mbit") or 0.0)
+            shown = f"{g:.1f}" if r.get("ok") else ("STALLED" if r.get("timed_out") else "FAILED")
+            own = fmt_ratio(g / base_perf if base_perf else None)
+            print(
+                f"metaroce {label:>11} | {shown:>9}{own:>7}"
+                f"{g / capacity:6.3f} | retransmits {r.get('retransmits', '-')}, spurious "
+                f"{r.get('spurious_retransmits', '-')}"
+            )
     print("\n== Open MPI allreduce (4 ranks, 2 per namespace): median / p99 ms, data checked")
     for a in arms:
         for lab, res in report["allreduce"][a].items():
