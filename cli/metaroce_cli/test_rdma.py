@@ -8,7 +8,12 @@ job's NCCL would use them. Prints both figures, deletes the pods (unless --keep)
 exits 0 only when both moved data: 1 when the test ran and failed, 2 when it could not
 start (bad input, no cluster, pods that never ran).
 
-The plan (`TestPlan`), the pod manifests and the parsing of perftest's output are pure
+On a `transport.mode: metaroce` network the pods run the `metaroce-perf` the agent
+installed and the admission mounted (`/opt/metaroce-transport/bin`), with the injected
+`MR_CONFIG` and the pod's own address: the server on B prints its URL, the client on A
+runs a bandwidth and a latency round against it.
+
+The plan (`TestPlan`), the pod manifests and the parsing of the tools' output are pure
 functions; `main` talks to the cluster through kubectl (logs and pod phases).
 """
 
@@ -31,7 +36,9 @@ DEFAULT_IMAGE_REPOSITORY = "ghcr.io/metaroce/metaroce-rdma-test"
 APP_LABEL = "app.kubernetes.io/name"
 APP = "metaroce-test-rdma"
 RUN_LABEL = "metaroce.io/test-rdma-run"
-SUPPORTED_MODES = ("rocev2", "softroce", "auto")
+VERBS_MODES = ("rocev2", "softroce", "auto")
+METAROCE_MODE = "metaroce"
+MR_BIN = "/opt/metaroce-transport/bin"
 
 # Shell run in both pods: the device, GID and ToS as the admission injected them (NCCL's
 # variables), else the first RDMA device and perftest's defaults.
@@ -77,6 +84,35 @@ echo "== done"
 )
 
 
+# metaroce: the tool the agent installed, the injected MR_CONFIG, the pod's own address.
+_MR_CHECK = r"""
+set -u
+perf=@MR_BIN@/metaroce-perf
+[ -x "$perf" ] || { echo "no $perf in the pod: is the network's resource allocated?"; exit 3; }
+config="${MR_CONFIG:-},addr=$POD_IP"
+echo "metaroce-perf, config $config"
+"""
+_MR_SERVER_SCRIPT = (
+    _MR_CHECK
+    + r"""
+exec timeout @TIMEOUT@ "$perf" server --sessions 2 --config "$config"
+"""
+)
+_MR_CLIENT_SCRIPT = (
+    _MR_CHECK
+    + r"""
+echo "== bandwidth"
+"$perf" client "$SERVER_URL" --mode bw --duration @SECONDS@ --json @EXTRA@ \
+  --config "$config" || exit 4
+echo "== latency"
+"$perf" client "$SERVER_URL" --mode lat --size 8 --iters @ITERATIONS@ --json \
+  --config "$config" || exit 5
+echo "== done"
+"""
+)
+_LISTENING = re.compile(r"listening on (udp://\S+)")
+
+
 class PlanError(ValueError):
     """Bad input; the message names the flag, the value and the fix."""
 
@@ -96,6 +132,10 @@ class TestPlan:
     timeout: float = 180.0
     perftest_flags: str = ""
     """More perftest flags for both sides (e.g. `-s 65536 -t 1` on slow emulated nodes)."""
+    transport: str = "verbs"
+    """`verbs` (perftest on the RDMA device) or `metaroce` (metaroce-perf)."""
+    perf_flags: str = ""
+    """More metaroce-perf client flags for the bandwidth round (e.g. `--size 65536`)."""
 
     @property
     def server_name(self) -> str:
@@ -117,6 +157,7 @@ def make_plan(
     seconds: int = 3,
     timeout: float = 180.0,
     perftest_flags: str = "",
+    perf_flags: str = "",
 ) -> TestPlan:
     """Check the input against the cluster's networks and name what will be created."""
     names = [n.strip() for n in nodes.split(",") if n.strip()]
@@ -138,34 +179,58 @@ def make_plan(
             f"(there are: {', '.join(sorted(by_name)) or 'none'})"
         )
     mode = ((by_name[network].get("spec") or {}).get("transport") or {}).get("mode", "auto")
-    if mode not in SUPPORTED_MODES:
-        raise PlanError(
-            f"--network={network!r}: transport.mode {mode} moves data with the MetaRoCE "
-            "library, not verbs; test it with metaroce-perf (README: MetaRoCE networks)"
-        )
+    if mode not in (*VERBS_MODES, METAROCE_MODE):
+        raise PlanError(f"--network={network!r}: transport.mode {mode!r} is not one test-rdma "
+                        f"knows ({', '.join((*VERBS_MODES, METAROCE_MODE))})")  # fmt: skip
+    transport = "metaroce" if mode == METAROCE_MODE else "verbs"
     if not 1 <= seconds <= 60:
         raise PlanError(f"--seconds={seconds}: give 1-60")
-    if not re.fullmatch(r"[-\w =.,]*", perftest_flags):
+    flag_sets = (
+        ("--perftest-flags", perftest_flags, "-s 65536 -t 1"),
+        ("--perf-flags", perf_flags, "--size 65536 --window 32"),
+    )
+    for flag, value, example in flag_sets:
+        if not re.fullmatch(r"[-\w =.,]*", value):
+            raise PlanError(
+                f"{flag}={value!r}: only options (letters, digits, '-', '=', '.', ',' and "
+                f"spaces), e.g. '{example}'"
+            )
+    if transport == "metaroce" and perftest_flags:
         raise PlanError(
-            f"--perftest-flags={perftest_flags!r}: only perftest options (letters, digits, "
-            "'-', '=', '.', ',' and spaces), e.g. '-s 65536 -t 1'"
+            f"--perftest-flags={perftest_flags!r}: network {network} is a metaroce network, "
+            "tested with metaroce-perf: give its flags with --perf-flags"
+        )
+    if transport == "verbs" and perf_flags:
+        raise PlanError(
+            f"--perf-flags={perf_flags!r}: network {network} moves data with verbs "
+            f"(transport.mode {mode}): give perftest flags with --perftest-flags"
         )
     return TestPlan(
         network=network, client_node=names[0], server_node=names[1], namespace=namespace,
         image=image, run_id=run_id or secrets.token_hex(3), seconds=seconds, timeout=timeout,
-        perftest_flags=perftest_flags,
+        perftest_flags=perftest_flags, transport=transport, perf_flags=perf_flags,
     )  # fmt: skip
 
 
-def pod_manifest(plan: TestPlan, role: str, server_ip: str | None = None) -> dict[str, Any]:
-    """The annotated pod of `role` (server or client), pinned to its node by name."""
+def pod_manifest(plan: TestPlan, role: str, server: str | None = None) -> dict[str, Any]:
+    """The annotated pod of `role` (server or client), pinned to its node by name.
+    `server` is the server pod's IP (verbs) or the URL it listens on (metaroce)."""
     node = plan.server_node if role == "server" else plan.client_node
-    script = _SERVER_SCRIPT if role == "server" else _CLIENT_SCRIPT
+    env: list[dict[str, Any]]
+    if plan.transport == "metaroce":
+        script = _MR_SERVER_SCRIPT if role == "server" else _MR_CLIENT_SCRIPT
+        extra = plan.perf_flags
+        env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+        env += [{"name": "SERVER_URL", "value": server}] if server else []
+    else:
+        script = _SERVER_SCRIPT if role == "server" else _CLIENT_SCRIPT
+        extra = plan.perftest_flags
+        env = [{"name": "SERVER_IP", "value": server}] if server else []
     attempts = max(5, int(plan.timeout / 4))
     for word, value in (("@SECONDS@", plan.seconds), ("@ITERATIONS@", plan.iterations),
-                        ("@ATTEMPTS@", attempts), ("@EXTRA@", plan.perftest_flags)):  # fmt: skip
+                        ("@ATTEMPTS@", attempts), ("@EXTRA@", extra), ("@MR_BIN@", MR_BIN),
+                        ("@TIMEOUT@", int(plan.timeout) + 30)):  # fmt: skip
         script = script.replace(word, str(value))
-    env = [{"name": "SERVER_IP", "value": server_ip}] if server_ip else []
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -224,6 +289,29 @@ def client_results(log: str) -> tuple[float | None, dict[str, float] | None]:
     return parse_bandwidth(bw_text), parse_latency(lat_text)
 
 
+def perf_results(log: str) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """The JSON reports of the metaroce client pod's bandwidth and latency rounds."""
+
+    def last_json(text: str) -> dict[str, Any] | None:
+        for line in reversed(text.splitlines()):
+            if line.startswith("{"):
+                try:
+                    return dict(json.loads(line))
+                except ValueError:
+                    return None
+        return None
+
+    _, _, rest = log.partition("== bandwidth")
+    bw_text, _, lat_text = rest.partition("== latency")
+    return last_json(bw_text), last_json(lat_text)
+
+
+def listening_url(log: str) -> str | None:
+    """The URL in the metaroce server pod's `listening on udp://...` line."""
+    m = _LISTENING.search(log)
+    return m.group(1) if m else None
+
+
 def pending_reason(pod: Mapping[str, Any]) -> str | None:
     """Why a pod cannot run (unschedulable, image, refused), with what to do, or None."""
     status = pod.get("status") or {}
@@ -243,6 +331,28 @@ def pending_reason(pod: Mapping[str, Any]) -> str | None:
         if waiting.get("reason") == "CreateContainerConfigError":
             return f"{waiting['reason']}: {waiting.get('message', '')}"
     return None
+
+
+def perf_report(
+    plan: TestPlan, bw: Mapping[str, Any] | None, lat: Mapping[str, Any] | None
+) -> list[str]:
+    pair = f"{plan.client_node} -> {plan.server_node}"
+    lines = [f"network {plan.network} (metaroce), pods {pair} (namespace {plan.namespace})"]
+    if bw and bw.get("messages"):
+        lines.append(
+            f"  bandwidth (metaroce-perf, {plan.seconds} s): {float(bw['goodput_gbps']):.3f} "
+            f"Gb/s, {bw['retransmits']} retransmits ({bw['spurious_retransmits']} spurious) of "
+            f"{bw['packets_sent']} packets over {len(bw.get('paths') or [])} paths"
+        )
+    else:
+        lines.append(f"  bandwidth (metaroce-perf, {plan.seconds} s): FAILED")
+    if lat and lat.get("messages"):
+        p50, p99 = float(lat["lat_p50_us"]), float(lat["lat_p99_us"])
+        what = "latency (metaroce-perf, 8 B round trips)"
+        lines.append(f"  {what}: p50 {p50:.2f} us, p99 {p99:.2f} us")
+    else:
+        lines.append("  latency (metaroce-perf, 8 B round trips): FAILED")
+    return lines
 
 
 def report(plan: TestPlan, bw: float | None, lat: Mapping[str, float] | None) -> list[str]:
@@ -301,6 +411,22 @@ class Run:
         self.k("delete", "pod", "-n", self.plan.namespace, "-l", f"{RUN_LABEL}={self.plan.run_id}",
                "--wait=false", "--ignore-not-found")  # fmt: skip
 
+    def server_url(self, deadline: float) -> str:
+        """The metaroce server's URL from its log (its port is chosen from the range)."""
+        name = self.plan.server_name
+        while True:
+            log = self.logs(name)
+            url = listening_url(log)
+            if url:
+                return url
+            pod = self.pod(name) or {}
+            if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+                raise RuntimeError(f"pod {name} ended before it listened:\n{log.rstrip()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"pod {name} did not listen in {self.plan.timeout:.0f} s:\n"
+                                   f"{log.rstrip()}")  # fmt: skip
+            time.sleep(1)
+
     def execute(self) -> int:
         plan = self.plan
         deadline = time.monotonic() + plan.timeout
@@ -314,13 +440,23 @@ class Run:
             deadline,
         )
         print(f"server pod on {plan.server_node} at {server['status']['podIP']}", flush=True)
-        self.create(pod_manifest(plan, "client", server["status"]["podIP"]))
+        target = server["status"]["podIP"]
+        if plan.transport == "metaroce":
+            target = self.server_url(deadline)
+            print(f"metaroce-perf server listening on {target}", flush=True)
+        self.create(pod_manifest(plan, "client", target))
         client = self.wait(plan.client_name, lambda p: (p.get("status") or {}).get("phase")
                            in ("Succeeded", "Failed"), "finished", deadline)  # fmt: skip
         log = self.logs(plan.client_name)
-        bw, lat = client_results(log)
-        print("\n".join(report(plan, bw, lat)))
-        if client["status"]["phase"] != "Succeeded" or not bw or not lat:
+        if plan.transport == "metaroce":
+            mr_bw, mr_lat = perf_results(log)
+            print("\n".join(perf_report(plan, mr_bw, mr_lat)))
+            moved = bool(mr_bw and mr_bw.get("messages") and mr_lat and mr_lat.get("messages"))
+        else:
+            bw, lat = client_results(log)
+            print("\n".join(report(plan, bw, lat)))
+            moved = bool(bw and lat)
+        if client["status"]["phase"] != "Succeeded" or not moved:
             print(f"--- client log ({plan.client_name})\n{log.rstrip()}")
             print(f"--- server log ({plan.server_name})\n{self.logs(plan.server_name).rstrip()}")
             return 1
@@ -350,6 +486,11 @@ def main(argv: Sequence[str]) -> int:
         default="",
         help="more ib_write_bw/ib_send_lat flags for both sides, e.g. '-s 65536'",
     )
+    p.add_argument(
+        "--perf-flags",
+        default="",
+        help="metaroce networks: more metaroce-perf client flags, e.g. '--size 65536'",
+    )
     p.add_argument("--keep", action="store_true", help="leave the pods for a look")
     p.add_argument("--kubeconfig", help="kubeconfig (default: $KUBECONFIG, ~/.kube/config)")
     args = p.parse_args(list(argv))
@@ -360,7 +501,8 @@ def main(argv: Sequence[str]) -> int:
             return 2
         plan = make_plan(args.nodes, args.network, json.loads(got.stdout).get("items") or [],
                          namespace=args.namespace, image=args.image, seconds=args.seconds,
-                         timeout=args.timeout, perftest_flags=args.perftest_flags)  # fmt: skip
+                         timeout=args.timeout, perftest_flags=args.perftest_flags,
+                         perf_flags=args.perf_flags)  # fmt: skip
         run = Run(plan, args.kubeconfig)
         try:
             return run.execute()

@@ -564,10 +564,10 @@ def _plugin_metrics(kube: Kube, node: str) -> dict[str, float]:
     return found
 
 
-def test_2b_metaroce_test_rdma_moves_data(kube: Kube, operator: None) -> None:
-    """`metaroce test-rdma` (issue 17) as a user runs it: an annotated pod pair it makes
-    itself moves data, it prints bandwidth and latency, exits 0 and removes its pods."""
-    kube.kubectl("create", "namespace", POD_NAMESPACE, check=False)
+def _test_rdma(kube: Kube, network: str, namespace: str, *flags: str) -> tuple[float, str]:
+    """`metaroce test-rdma` as a user runs it against `network`: it must exit 0 and remove
+    its pods; returns how long it took and what it printed."""
+    kube.kubectl("create", "namespace", namespace, check=False)
     env = {
         **os.environ,
         "KUBECONFIG": str(kube.kubeconfig),
@@ -577,22 +577,30 @@ def test_2b_metaroce_test_rdma_moves_data(kube: Kube, operator: None) -> None:
     t0 = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-m", "metaroce_cli.main", "test-rdma", f"--nodes={nodes}",
-         f"--network={NETWORK}", f"--namespace={POD_NAMESPACE}", f"--image={kube.test_image}",
-         # TCG guests: one 64 KiB message in flight (see BW_FLAGS)
-         "--perftest-flags=-s 65536 -t 1", "--seconds=4", "--timeout=300"],
+         f"--network={network}", f"--namespace={namespace}", f"--image={kube.test_image}",
+         *flags, "--seconds=4", "--timeout=300"],
         env=env, capture_output=True, text=True, timeout=420, check=False,
     )  # fmt: skip
-    print(f"test-rdma took {time.monotonic() - t0:.1f} s:\n{done.stdout}{done.stderr}")
+    took = time.monotonic() - t0
+    print(f"test-rdma took {took:.1f} s:\n{done.stdout}{done.stderr}")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert re.search(r"bandwidth \(ib_write_bw, 4 s\): [\d.]+ Gb/s", done.stdout), done.stdout
-    assert re.search(r"latency \(ib_send_lat\): typical [\d.]+ us", done.stdout), done.stdout
 
     def gone() -> bool:
         selector = "app.kubernetes.io/name=metaroce-test-rdma"
-        pods = kube.kubectl("get", "pods", "-n", POD_NAMESPACE, "-l", selector, "-o", "name")
+        pods = kube.kubectl("get", "pods", "-n", namespace, "-l", selector, "-o", "name")
         return not pods.stdout.strip()
 
     _wait("test-rdma's pods to be removed", gone, 120)
+    return took, str(done.stdout)
+
+
+def test_2b_metaroce_test_rdma_moves_data(kube: Kube, operator: None) -> None:
+    """`metaroce test-rdma` (issue 17) as a user runs it: an annotated pod pair it makes
+    itself moves data, it prints bandwidth and latency, exits 0 and removes its pods."""
+    # TCG guests: one 64 KiB message in flight (see BW_FLAGS)
+    _, out = _test_rdma(kube, NETWORK, POD_NAMESPACE, "--perftest-flags=-s 65536 -t 1")
+    assert re.search(r"bandwidth \(ib_write_bw, 4 s\): [\d.]+ Gb/s", out), out
+    assert re.search(r"latency \(ib_send_lat\): typical [\d.]+ us", out), out
 
 
 def test_3_kubelet_restart_keeps_the_resource(kube: Kube, operator: None) -> None:
@@ -838,6 +846,10 @@ def test_5_metaroce_network_rolls_out_and_pods_get_the_library(
             f"{result['packets_sent']} packets over {len(result['paths'])} paths"
         )
         assert result["messages"] > 0 and len(result["paths"]) == 4, result
+        took, out = _test_rdma(kube, MR_NETWORK, MR_POD_NAMESPACE, "--perf-flags=--size 65536")
+        figures.append(f"metaroce test-rdma (pods it makes, metaroce-perf): {took:.1f} s")
+        assert re.search(r"bandwidth \(metaroce-perf, 4 s\): [\d.]+ Gb/s, \d+ retransmits", out)
+        assert re.search(r"latency \(metaroce-perf, 8 B round trips\): p50 [\d.]+ us", out), out
 
         # the library's stats files, in each pod's own directory, exported by its agent
         for name in names:

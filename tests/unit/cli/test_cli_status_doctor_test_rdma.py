@@ -177,8 +177,8 @@ def test_plan_checks_nodes_and_network() -> None:
         test_rdma.make_plan("a,b", None, NETWORKS, image="i")
     with pytest.raises(test_rdma.PlanError, match=r"no such MetaRoceNetwork .*there are"):
         test_rdma.make_plan("a,b", "nope", NETWORKS, image="i")
-    with pytest.raises(test_rdma.PlanError, match="metaroce-perf"):
-        test_rdma.make_plan("a,b", "mr", NETWORKS, image="i")
+    assert test_rdma.make_plan("a,b", "mr", NETWORKS, image="i").transport == "metaroce"
+    assert plan.transport == "verbs"
     assert test_rdma.make_plan("a,b", None, NETWORKS[:1], image="i").network == "backend"
 
 
@@ -250,3 +250,67 @@ def test_extra_perftest_flags_reach_both_sides_and_nothing_else() -> None:
         assert 'flags="$flags -s 65536 -t 1"' in script["command"][2]
     with pytest.raises(test_rdma.PlanError, match="--perftest-flags"):
         _plan(perftest_flags="-s 1; rm -rf /")
+
+
+PERF_BW = (
+    '{"mode":"bw","size":1048576,"messages":114,"bytes":119537664,"seconds":1.11,'
+    '"goodput_gbps":0.857926,"goodput_mbit":857.926,"packets_sent":85360,"retransmits":696,'
+    '"spurious_retransmits":772,"lat_p50_us":0.00,"lat_p99_us":0.00,'
+    '"paths":[{"src_port":34000},{"src_port":34001}]}'
+)
+PERF_LAT = (
+    '{"mode":"lat","size":8,"messages":1000,"bytes":8000,"seconds":0.2,"goodput_gbps":0.0,'
+    '"goodput_mbit":0.3,"packets_sent":2000,"retransmits":0,"spurious_retransmits":0,'
+    '"lat_p50_us":61.50,"lat_p99_us":140.25,"paths":[]}'
+)
+
+
+def test_a_metaroce_network_is_tested_with_the_installed_metaroce_perf() -> None:
+    plan = test_rdma.make_plan("gpu-1,gpu-2", "mr", NETWORKS, image="reg/rdma-test:1",
+                               run_id="abc123", perf_flags="--size 65536")  # fmt: skip
+    server = test_rdma.pod_manifest(plan, "server")
+    client = test_rdma.pod_manifest(plan, "client", "udp://10.0.0.7:20000")
+    assert server["metadata"]["annotations"] == {c.NETWORKS_ANNOTATION: "mr"}
+    pod_ip = {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    assert server["spec"]["containers"][0]["env"] == [pod_ip]
+    assert client["spec"]["containers"][0]["env"] == [
+        pod_ip, {"name": "SERVER_URL", "value": "udp://10.0.0.7:20000"}]  # fmt: skip
+    s_script = server["spec"]["containers"][0]["command"][2]
+    c_script = client["spec"]["containers"][0]["command"][2]
+    assert "/opt/metaroce-transport/bin/metaroce-perf" in s_script
+    assert "server --sessions 2" in s_script and 'addr=$POD_IP"' in s_script
+    assert "--mode bw --duration 3 --json --size 65536" in c_script
+    assert "--mode lat --size 8 --iters 1000" in c_script
+    assert "ib_write_bw" not in c_script
+    for script in (s_script, c_script):
+        assert "@" not in script.replace("$@", "")
+        subprocess.run(["sh", "-n", "-c", script], check=True)
+    # the wrong tool's flags are refused, naming the right flag
+    with pytest.raises(test_rdma.PlanError, match=r"--perftest-flags=.*--perf-flags"):
+        test_rdma.make_plan("a,b", "mr", NETWORKS, image="i", perftest_flags="-s 65536")
+    with pytest.raises(test_rdma.PlanError, match=r"--perf-flags=.*--perftest-flags"):
+        test_rdma.make_plan("a,b", "backend", NETWORKS, image="i", perf_flags="--size 1")
+    with pytest.raises(test_rdma.PlanError, match="--perf-flags"):
+        test_rdma.make_plan("a,b", "mr", NETWORKS, image="i", perf_flags="--size 1; reboot")
+
+
+def test_metaroce_perf_output_is_parsed_and_reported() -> None:
+    assert (
+        test_rdma.listening_url(
+            "metaroce-perf, config ports=20000-20099\n"
+            "metaroce-perf server listening on udp://10.0.0.7:20003\n"
+        )
+        == "udp://10.0.0.7:20003"
+    )
+    assert test_rdma.listening_url("no perf here") is None
+    log = f"metaroce-perf, config x\n== bandwidth\n{PERF_BW}\n== latency\n{PERF_LAT}\n== done\n"
+    bw, lat = test_rdma.perf_results(log)
+    assert bw is not None and bw["retransmits"] == 696
+    assert lat is not None and lat["lat_p50_us"] == 61.5
+    plan = test_rdma.make_plan("gpu-1,gpu-2", "mr", NETWORKS, image="i")
+    lines = test_rdma.perf_report(plan, bw, lat)
+    assert "0.858 Gb/s, 696 retransmits (772 spurious) of 85360 packets over 2 paths" in lines[1]
+    assert "p50 61.50 us, p99 140.25 us" in lines[2]
+    failed = test_rdma.perf_results("== bandwidth\nmetaroce-perf: connect timed out\n")
+    assert failed == (None, None)
+    assert "FAILED" in test_rdma.perf_report(plan, *failed)[1]
