@@ -38,6 +38,14 @@ command -v cargo >/dev/null || die "cargo not found: install Rust with rustup (t
 cache="${XDG_CACHE_HOME:-$HOME/.cache}/metaroce"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$cache/transport/target}"
 mkdir -p "$CARGO_TARGET_DIR" "$cache/tools"
+# One build at a time per target directory: worktrees share the cache's, and the C parts
+# (the compiler wrapper replaced whole, make's outputs) broke when two builds overlapped
+# (seen: "cannot stat .../libfabric/libmetaroce-fi.so" in an image build beside a setup).
+exec 8>"$CARGO_TARGET_DIR/.build.lock"
+if ! flock -n 8; then
+  say "waiting for another build in $CARGO_TARGET_DIR"
+  flock 8
+fi
 
 # --- the pinned zig and cargo-zigbuild (installed once, into a temporary name, then
 # renamed, under a lock: worktrees build concurrently) ----------------------------------

@@ -564,15 +564,21 @@ def _plugin_metrics(kube: Kube, node: str) -> dict[str, float]:
     return found
 
 
-def _test_rdma(kube: Kube, network: str, namespace: str, *flags: str) -> tuple[float, str]:
-    """`metaroce test-rdma` as a user runs it against `network`: it must exit 0 and remove
-    its pods; returns how long it took and what it printed."""
-    kube.kubectl("create", "namespace", namespace, check=False)
-    env = {
+def _cli_env(kube: Kube) -> dict[str, str]:
+    """The environment a user's `metaroce` command runs with: the cluster's kubeconfig and
+    its kubectl on PATH."""
+    return {
         **os.environ,
         "KUBECONFIG": str(kube.kubeconfig),
         "PATH": f"{Path(kube.kubectl_bin).parent}{os.pathsep}{os.environ.get('PATH', '')}",
     }
+
+
+def _test_rdma(kube: Kube, network: str, namespace: str, *flags: str) -> tuple[float, str]:
+    """`metaroce test-rdma` as a user runs it against `network`: it must exit 0 and remove
+    its pods; returns how long it took and what it printed."""
+    kube.kubectl("create", "namespace", namespace, check=False)
+    env = _cli_env(kube)
     nodes = ",".join(kube.nodes[:2])
     t0 = time.monotonic()
     done = subprocess.run(
@@ -601,6 +607,22 @@ def test_2b_metaroce_test_rdma_moves_data(kube: Kube, operator: None) -> None:
     _, out = _test_rdma(kube, NETWORK, POD_NAMESPACE, "--perftest-flags=-s 65536 -t 1")
     assert re.search(r"bandwidth \(ib_write_bw, 4 s\): [\d.]+ Gb/s", out), out
     assert re.search(r"latency \(ib_send_lat\): typical [\d.]+ us", out), out
+
+    # `metaroce doctor --node` (issue 17): the agent's doctor inside that node's live agent
+    # pod, with the config the operator rendered for it, sees the node's rxe device
+    node = kube.nodes[0]
+    done = subprocess.run(
+        [sys.executable, "-m", "metaroce_cli.main", "doctor", f"--node={node}",
+         f"--network={NETWORK}", "--json"],
+        env=_cli_env(kube), capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    print(f"doctor --node {node}:\n{done.stdout[-3000:]}{done.stderr}")
+    assert done.returncode == 0, done.stdout + done.stderr
+    header, _, body = done.stdout.partition("\n")
+    assert header.startswith(f"== network {NETWORK}: "), done.stdout
+    report = json.loads(body)
+    assert report["node"] == node and report["ready"] is True, report
+    assert report["inventory"]["rdma_devices"], report
 
 
 def test_3_kubelet_restart_keeps_the_resource(kube: Kube, operator: None) -> None:
