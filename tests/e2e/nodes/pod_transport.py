@@ -136,6 +136,13 @@ class Arms:
     def median(self, arm: str) -> float:
         return statistics.median(self.runs[arm])
 
+    def paired_ratio(self, arm: str, base: str) -> float:
+        """The median of run-by-run ratios of two interleaved arms: the host's load drifts
+        within a run set (seen: one set of node runs 2.5-37 Mbit/s at load 4), and each pair
+        ran back to back under about the same load, so this is the steadier figure."""
+        pairs = zip(self.runs[arm], self.runs[base], strict=False)
+        return statistics.median(a / b if b > 0 else 0.0 for a, b in pairs)
+
 
 def measure(
     kube: Kube,
@@ -213,6 +220,7 @@ def figures(arms: Arms) -> list[str]:
     rxe0 = arms.median("rxe 0%")
     rxe = arms.median("rxe 1%") / rxe0 if rxe0 > 0 else 0.0
     pod_node = arms.median("pod 0%") / arms.median("node 0%")
+    paired = arms.paired_ratio("pod 0%", "node 0%")
     retx = [r["retransmits"] for r in arms.reports if r["arm"] == "pod 1%"]
     rcvbuf = sorted({r["sock_rcvbuf"] for r in arms.reports})
     return [
@@ -221,7 +229,8 @@ def figures(arms: Arms) -> list[str]:
         f"{len(arms.runs['pod 1%'])} and {len(arms.runs['pod 0%'])} runs; retransmits {retx}); "
         f"rxe beside it: {rxe:.2f} ({arms.median('rxe 1%'):.3f} of {rxe0:.3f} Gbit/s, "
         f"{arms.rxe_failures} rxe runs moved nothing)",
-        f"metaroce pod / node goodput, lossless: {pod_node:.2f} (medians of "
+        f"metaroce pod / node goodput, lossless: {pod_node:.2f}, median of the paired runs' "
+        f"ratios {paired:.2f} (medians of "
         f"{len(arms.runs['pod 0%'])} interleaved runs each: {arms.runs['pod 0%']} / "
         f"{arms.runs['node 0%']} Gbit/s; the pods' socket buffers {rcvbuf})",
         f"load average during the transport runs: {load_average()}",

@@ -907,7 +907,7 @@ def test_5_metaroce_network_rolls_out_and_pods_get_the_library(
             # 0.70 of lossless, pod / node 0.63 over the pod network's veth and bridge).
             ratio = arms.median("pod 1%") / arms.median("pod 0%")
             assert ratio >= 0.4, (ratio, arms.runs)
-            pod_node = arms.median("pod 0%") / arms.median("node 0%")
+            pod_node = arms.paired_ratio("pod 0%", "node 0%")
             assert pod_node >= 0.3, (pod_node, arms.runs)
 
         if real is not None and real.guests is not None:
