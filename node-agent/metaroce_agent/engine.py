@@ -307,12 +307,18 @@ class Engine:
         return [(e.step, e.verified) for e in self._unverified() if e.step.id not in exclude]
 
     def _in_force(self) -> list[Step]:
-        """The journaled steps at their last verified value: the state the node runs."""
-        return [
-            e.verified
-            for e in self.journal.entries.values()
-            if e.verified is not None and e.step == e.verified
-        ]
+        """The journaled steps at their last verified value that read back so: the state
+        the node runs on after a failed pass."""
+        out = []
+        for e in self.journal.entries.values():
+            if e.verified is None or e.step != e.verified:
+                continue
+            try:
+                if e.verified.verify(self.host) is None:
+                    out.append(e.verified)
+            except Exception as err:  # a knob that cannot be read is not reported in force
+                log.warning("reading back %s: %s", e.verified.name, err)
+        return out
 
     def _restore(self, changes: list[tuple[Step, Step | None]]) -> tuple[list[str], list[str]]:
         """Put each changed step back to its last verified version, newest first; a step
