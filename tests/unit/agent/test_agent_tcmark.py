@@ -5,6 +5,7 @@ same contract over the fake tc, checked here side by side."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -127,3 +128,31 @@ def test_the_metaroce_range_is_marked_for_ipv6_endpoints_too(node: Callable[...,
     # undo removes only its own filter
     v6[1].undo(n.host, None)
     assert v6[1].pref not in table and all(s.verify(n.host) is None for s in v4)
+
+
+GUEST_FILTERS = (Path(__file__).parent / "guest_tc_filters.json").read_text()
+"""`tc -j filter show dev eth0 egress` on a SoftRoCE guest (Debian 12, kernel 6.1.0-57,
+iproute2 6.1.0) after the four MetaRoCE port-range commands, 2026-12-02."""
+
+
+class _Shows:
+    """A runner that answers `tc -j filter show` with what a guest printed."""
+
+    def run(self, argv: Any, *, check: bool = True, timeout: float = 60.0) -> Any:
+        from metaroce_agent.host import CommandResult
+
+        return CommandResult(tuple(argv), 0, GUEST_FILTERS)
+
+
+def test_the_four_port_range_filters_verify_against_a_real_kernel(tmp_path: Any) -> None:
+    from fakes import FixtureHost
+
+    host = FixtureHost(tmp_path, runner=_Shows())  # type: ignore[arg-type]
+    steps = [
+        TcPortRangeMarkStep("eth0", match=m, first=21000, last=21999, dscp=26, family=f)
+        for f in ("ipv4", "ipv6")
+        for m in ("dst", "src")
+    ]
+    assert [s.verify(host) for s in steps] == [None] * 4
+    wrong = TcPortRangeMarkStep("eth0", match="dst", first=21000, last=21999, dscp=34)
+    assert "sets tos 0x68, want 0x88" in (wrong.verify(host) or "")
