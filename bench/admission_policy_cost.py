@@ -7,15 +7,17 @@ create and the admission plugins' own durations
 (`apiserver_admission_controller_admission_duration_seconds` per plugin and type):
 
 - `none`: nothing of MetaRoCE (the floor of a create);
+- `hand`: the issue's hand-written policy (no params, no variables, three literal ops);
 - `trivial`: a MutatingAdmissionPolicy with the same match condition as the network's and a
   single JSONPatch op (one annotation): the floor of any JSONPatch policy;
 - `network`: the network's MutatingAdmissionPolicy as the operator renders it;
+- `noparam`: the network's policy without its param (what converting the param costs);
 - `vap`: the chart's ValidatingAdmissionPolicy beside the network's policy (the policy mode).
 
     .venv/bin/python bench/admission_policy_cost.py [--rounds 3] [--pods 300]
-        [--concurrency 4] [--pprof DIR] [--variants none,trivial,network,vap]
+        [--concurrency 4] [--pprof DIR] [--variants none,trivial,hand,network,vap]
 
-`--pprof DIR` saves a CPU profile of the apiserver during annotated creates of the last
+`--pprof DIR` saves a CPU profile of the apiserver during annotated creates of each
 variant (`go tool pprof -top -cum <kube-apiserver> DIR/apiserver-<variant>.pprof`).
 """
 
@@ -44,6 +46,7 @@ from metaroce_operator.render.podpolicy import ADMISSION_API  # noqa: E402
 NAMESPACE = "bench"
 PLUGIN_METRIC = "apiserver_admission_controller_admission_duration_seconds"
 TRIVIAL = "metaroce-cost-trivial"
+HAND = "metaroce-cost-hand"
 
 
 def pod_body(network: str | None) -> bytes:
@@ -106,6 +109,77 @@ def trivial_policy(network: str) -> str:
     return json.dumps(policy) + "\n---\n" + json.dumps(binding)
 
 
+def hand_policy(network: str, resource: str) -> str:
+    """The issue's hand-written policy (2026-12-01): pods whose annotation contains the
+    network and carry no record yet; JSONPatch adding NCCL_IB_TC, the resource limit and
+    the record to the first container. No params, no namespace selector, no variables."""
+    ann = "object.metadata.annotations"
+    record = f"{c.POLICY_INJECTED_PREFIX}/{network}"
+    policy = {
+        "apiVersion": ADMISSION_API,
+        "kind": "MutatingAdmissionPolicy",
+        "metadata": {"name": HAND},
+        "spec": {
+            "failurePolicy": "Fail",
+            "reinvocationPolicy": "IfNeeded",
+            "matchConstraints": {
+                "resourceRules": [
+                    {
+                        "apiGroups": [""],
+                        "apiVersions": ["v1"],
+                        "operations": ["CREATE"],
+                        "resources": ["pods"],
+                    }
+                ]
+            },
+            "matchConditions": [
+                {
+                    "name": "named",
+                    "expression": f"has({ann}) && '{c.NETWORKS_ANNOTATION}' in {ann} && "
+                    f"{ann}['{c.NETWORKS_ANNOTATION}'].contains('{network}') && "
+                    f"!('{record}' in {ann})",
+                }
+            ],
+            "mutations": [
+                {
+                    "patchType": "JSONPatch",
+                    "jsonPatch": {
+                        "expression": "[JSONPatch{op: 'add', path: '/spec/containers/0/env', "
+                        "value: [{'name': 'NCCL_IB_TC', 'value': '106'}]}, "
+                        "JSONPatch{op: 'add', path: '/spec/containers/0/resources', "
+                        f"value: {{'limits': {{'{resource}': '1'}}}}}}, "
+                        "JSONPatch{op: 'add', path: '/metadata/annotations/' + "
+                        f"jsonpatch.escapeKey('{record}'), value: '{{}}'}}]"
+                    },
+                }
+            ],
+        },
+    }
+    binding = {
+        "apiVersion": ADMISSION_API,
+        "kind": "MutatingAdmissionPolicyBinding",
+        "metadata": {"name": HAND},
+        "spec": {"policyName": HAND},
+    }
+    return json.dumps(policy) + "\n---\n" + json.dumps(binding)
+
+
+def without_params(documents: str) -> str:
+    """The network's policy and binding with no param (no paramKind, no paramRef, no
+    deletionTimestamp test): what the param costs."""
+    out = []
+    for text in documents.split("\n---\n"):
+        obj = json.loads(text)
+        obj["spec"].pop("paramKind", None)
+        obj["spec"].pop("paramRef", None)
+        for cond in obj["spec"].get("matchConditions", []):
+            cond["expression"] = cond["expression"].replace(
+                " && !has(params.metadata.deletionTimestamp)", ""
+            )
+        out.append(json.dumps(obj))
+    return "\n---\n".join(out)
+
+
 def plugin_sums(text: str) -> dict[tuple[str, str], tuple[float, float]]:
     """(plugin, type) -> (sum seconds, count) of the per-plugin admission histogram."""
     out: dict[tuple[str, str], list[float]] = {}
@@ -131,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--pods", type=int, default=300)
     parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--pprof", type=Path)
+    parser.add_argument("--pprof", type=Path, help="a CPU profile of each variant (annotated)")
+    parser.add_argument("--pprof-seconds", type=int, default=15)
     parser.add_argument("--variants", default="none,trivial,network,vap")
     parser.add_argument(
         "--stored",
@@ -163,7 +238,9 @@ def main(argv: list[str] | None = None) -> int:
         docs = {
             "none": "",
             "trivial": trivial_policy(network),
+            "hand": hand_policy(network, f"metaroce.io/{network}"),
             "network": env.pod_policy_documents(network),
+            "noparam": without_params(env.pod_policy_documents(network)),
             "vap": env.pod_policy_documents(network) + "\n---\n" + env.rendered_pod_policies(),
         }
         current = [""]
@@ -246,22 +323,24 @@ def main(argv: list[str] | None = None) -> int:
                 ),
                 flush=True,
             )
-        if args.pprof:
+        for profiled in variants if args.pprof else []:
+            assert args.pprof is not None
             args.pprof.mkdir(parents=True, exist_ok=True)
-            last = variants[-1]
-            set_variant(last)
+            set_variant(profiled)
             stop = threading.Event()
 
-            def load() -> None:
+            def load(stop: threading.Event = stop) -> None:
                 while not stop.is_set():
                     dry_burst(pod_body(network))
 
             t = threading.Thread(target=load, daemon=True)
             t.start()
-            status, data = client.request("GET", "/debug/pprof/profile?seconds=20")
+            status, data = client.request(
+                "GET", f"/debug/pprof/profile?seconds={args.pprof_seconds}"
+            )
             stop.set()
             t.join()
-            target = args.pprof / f"apiserver-{last}.pprof"
+            target = args.pprof / f"apiserver-{profiled}.pprof"
             target.write_bytes(data)
             print(f"[cost] profile ({status}) saved to {target}", flush=True)
         if current[0]:

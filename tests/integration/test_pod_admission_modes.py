@@ -217,13 +217,13 @@ def test_network_deleted_while_the_operator_is_stopped_leaves_no_policy(
 def test_network_being_deleted_while_the_operator_is_stopped_injects_nothing(
     running: ModeEnv,
 ) -> None:
-    """A network with the operator's cleanup finalizer, deleted while the operator is
-    down, waits for it (Terminating); the garbage collector keeps its policy until then,
-    but the policy reads the network's deletionTimestamp (its binding's param) and
-    injects nothing: pods naming it are refused."""
+    """A cleanupOnDelete network, which the operator holds with its cleanup finalizer,
+    deleted while the operator is down, waits for it (Terminating); the garbage collector
+    keeps its policy until then, but the policy reads the network's deletionTimestamp
+    (its binding's param) and injects nothing: pods naming it are refused."""
     env = running.env
     name = f"held-{env.tag}"
-    env.create_network(name, healthy=0)
+    env.create_network(name, healthy=0, cleanupOnDelete=True)
     env.wait_cached(name)
     if env.mode == "webhook":
         # Never both; and the pod webhook fails closed while it is down (above).

@@ -31,10 +31,15 @@ than PodSecurity's), and a network without a record after mutation, i.e. one tha
 policy: it does not exist (or the operator has not rendered it yet).
 
 The policy and binding are owned by the network (controller owner reference), so the
-garbage collector deletes them with it, operator running or not. The binding's param is
-the network itself: one being deleted (waiting on the operator's cleanup finalizer while
-the operator is down, which the garbage collector waits for too) makes the policy inject
-nothing, so pods naming it are refused.
+garbage collector deletes them with it, operator running or not. A `cleanupOnDelete`
+network (the only kind the operator holds with its cleanup finalizer) is also the
+binding's param: one being deleted while the operator is down stays until the operator is
+back, and so would its policy (the garbage collector waits for the owner), but the policy
+reads the param's deletionTimestamp and injects nothing, so pods naming it are refused.
+Other networks have no param: the apiserver converts a param to CEL for every expression
+it evaluates (a JSON round trip of the whole network, measured with
+bench/admission_policy_cost.py: about what the rest of the policy costs), on every pod
+created, annotated or not, once per network.
 
 Cost (the apiserver runs this for every pod created): each CEL variable is a program of
 its own, and each field read walks the typed pod by reflection, so the usual pod (one
@@ -426,16 +431,16 @@ def pod_patch_expression(network: str, resource: str, env: dict[str, str], forbi
     )
 
 
-def match_conditions(network: str) -> list[dict[str, str]]:
+def match_conditions(network: str, *, param: bool = False) -> list[dict[str, str]]:
     """Pods that name this network and carry no record of it yet (the guard), in one
     condition whose cheapest tests come first (CEL's && stops at the first false): it is
     evaluated for every pod created, and again when the apiserver reinvokes policies. The
     name test matches `<network>` between commas with spaces ignored; the chart's
-    ValidatingAdmissionPolicy refuses annotations that are not a list of names. Last, the
-    network (the binding's param) is not being deleted: one that waits on the operator's
-    cleanup finalizer while the operator is down keeps its policy (the garbage collector
-    waits for the owner to go), which then injects nothing, and the pod is refused as
-    naming no network."""
+    ValidatingAdmissionPolicy refuses annotations that are not a list of names. Last, with
+    `param` (a `cleanupOnDelete` network, the binding's param), the network is not being
+    deleted: one that waits on the operator's cleanup finalizer while the operator is down
+    keeps its policy (the garbage collector waits for the owner to go), which then injects
+    nothing, and the pod is refused as naming no network."""
     ann = "object.metadata.annotations"
     nets = lit(c.NETWORKS_ANNOTATION)
     return [
@@ -444,7 +449,7 @@ def match_conditions(network: str) -> list[dict[str, str]]:
             "expression": f"has({ann}) && {nets} in {ann} && "
             f"!({lit(record_key(network))} in {ann}) && ({ann}[{nets}] == {lit(network)} || "
             f"(',' + {ann}[{nets}].replace(' ', '') + ',').contains({lit(',' + network + ',')}))"
-            " && !has(params.metadata.deletionTimestamp)",
+            + (" && !has(params.metadata.deletionTimestamp)" if param else ""),
         }
     ]
 
@@ -462,15 +467,15 @@ def render_pod_policy(network: MetaRoceNetwork, settings: RenderSettings) -> lis
     if owners:
         meta["ownerReferences"] = owners
     forbidden = forbidden_expression(settings.pod_security_check, settings.pod_security_default)
-    policy = {
+    # Only a network the operator's cleanup finalizer can hold is the param (module doc).
+    param = network.spec.cleanup_on_delete
+    policy: dict[str, Any] = {
         "apiVersion": ADMISSION_API,
         "kind": POLICY_KIND,
         "metadata": meta,
         "spec": {
             "failurePolicy": "Fail",
             "reinvocationPolicy": "Never",
-            # The network itself, for its deletionTimestamp (`match_conditions`).
-            "paramKind": {"apiVersion": c.API_VERSION, "kind": c.NETWORK_KIND},
             "matchConstraints": {
                 "resourceRules": [
                     {
@@ -490,7 +495,7 @@ def render_pod_policy(network: MetaRoceNetwork, settings: RenderSettings) -> lis
                     ]
                 },
             },
-            "matchConditions": match_conditions(network.name),
+            "matchConditions": match_conditions(network.name, param=param),
             "variables": pod_policy_variables(network.name, resource, env),
             "mutations": [
                 {
@@ -502,15 +507,16 @@ def render_pod_policy(network: MetaRoceNetwork, settings: RenderSettings) -> lis
             ],
         },
     }
-    binding = {
+    binding: dict[str, Any] = {
         "apiVersion": ADMISSION_API,
         "kind": BINDING_KIND,
         "metadata": json.loads(json.dumps(meta)),
-        "spec": {
-            "policyName": name,
-            # Allow: between the network's removal and the garbage collector's of this
-            # binding, a missing param skips the policy (Deny would refuse every pod).
-            "paramRef": {"name": network.name, "parameterNotFoundAction": "Allow"},
-        },
+        "spec": {"policyName": name},
     }
+    if param:
+        # The network itself, for its deletionTimestamp (`match_conditions`).
+        policy["spec"]["paramKind"] = {"apiVersion": c.API_VERSION, "kind": c.NETWORK_KIND}
+        # Allow: between the network's removal and the garbage collector's of this
+        # binding, a missing param skips the policy (Deny would refuse every pod).
+        binding["spec"]["paramRef"] = {"name": network.name, "parameterNotFoundAction": "Allow"}
     return [policy, binding]

@@ -121,8 +121,23 @@ def test_match_condition_selects_the_network_and_guards_reinvocation() -> None:
         < text.index("contains")
     )
     assert record_key("fabric") == "injected.metaroce.io/fabric"
-    # The network (the binding's param) being deleted: nothing injected.
-    assert text.endswith(" && !has(params.metadata.deletionTimestamp)")
+    assert "params" not in text
+    # A cleanupOnDelete network (the binding's param) being deleted: nothing injected.
+    (held,) = match_conditions("fabric", param=True)
+    assert held["expression"] == text + " && !has(params.metadata.deletionTimestamp)"
+
+
+def test_only_a_cleanup_on_delete_network_is_the_binding_s_param() -> None:
+    """The apiserver converts a param for every expression of every pod create: only the
+    network the operator's finalizer can hold pays for it."""
+    policy, binding = render_pod_policy(network("fabric"), POLICY)
+    assert "paramKind" not in policy["spec"] and binding["spec"] == {
+        "policyName": "metaroce-pods-fabric"
+    }
+    assert "params" not in policy["spec"]["matchConditions"][0]["expression"]
+    policy, binding = render_pod_policy(network("fabric", cleanupOnDelete=True), POLICY)
+    assert policy["spec"]["paramKind"] == {"apiVersion": c.API_VERSION, "kind": c.NETWORK_KIND}
+    assert binding["spec"]["paramRef"] == {"name": "fabric", "parameterNotFoundAction": "Allow"}
 
 
 def test_variables_are_declared_before_use() -> None:
