@@ -763,6 +763,7 @@ class Controller:
             agent_update=upgrade.update_status(
                 network.spec.agent.update_strategy.paused, self.store.holds.get(name, ())
             ),
+            holding=upgrade.holding(self.store.holds.get(name, ())),
             cleanup=cleanup_view,
             error=error,
         )
