@@ -25,7 +25,7 @@ NODES_A = ("kwok-a1", "kwok-a2")
 FAILED_LISTS = 4
 """The informer retries after 0.5, 1, 2 and 4 s: about 7.5 s without a first list."""
 FAILPOINT = f"informer.before_list=1:error={FAILED_LISTS}"
-OPERATOR_FLAGS = ("--status-interval=0.5s", "--cleanup-timeout=300s", "--nodestate-grace=3s")
+OPERATOR_FLAGS = ("--status-interval=500ms", "--cleanup-timeout=300s", "--nodestate-grace=3s")
 
 
 def test_finalizer_stays_until_reverted_while_the_first_nodestate_list_fails(
