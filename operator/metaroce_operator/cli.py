@@ -18,9 +18,9 @@ from typing import Any, TextIO
 
 import yaml
 
-from metaroce_api import InvalidObject, validate_network
+from metaroce_api import InvalidObject, failpoints, validate_network
 from metaroce_api import constants as c
-from metaroce_operator import __version__, crash
+from metaroce_operator import __version__
 from metaroce_operator.render import render_network
 from metaroce_operator.settings import (
     DEFAULT_AGENT_IMAGE,
@@ -379,10 +379,34 @@ def configure_logging(level: str) -> None:
         logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
 
+RETIRED_CRASH_ENV = "METAROCE_TEST_CRASH_AT"
+"""The old kill switch, replaced by failpoints (rollout.after_configmap,
+rollout.after_daemonset, status.before_write)."""
+
+
+def check_test_environment() -> None:
+    """Refuse a failpoint spec that does not parse, and the retired kill switch, instead
+    of a test that silently never kills."""
+    retired = os.environ.get(RETIRED_CRASH_ENV)
+    if retired:
+        raise SettingsError(
+            RETIRED_CRASH_ENV,
+            retired,
+            f"this switch is gone: use {failpoints.ENV}=<point>=1 with the point "
+            "rollout.after_configmap, rollout.after_daemonset or status.before_write "
+            "(see metaroce_api/failpoints.py), or unset it",
+        )
+    spec = os.environ.get(failpoints.ENV, "")
+    try:
+        failpoints.parse(spec)
+    except ValueError as err:
+        raise SettingsError(failpoints.ENV, spec, str(err)) from None
+
+
 def run_main(argv: Sequence[str]) -> int:
     """`metaroce operator [flags]`."""
     try:
-        crash.check_env()
+        check_test_environment()
         settings = settings_from_args(argv)
     except SettingsError as err:
         print(f"metaroce operator: error: {err}", file=sys.stderr)

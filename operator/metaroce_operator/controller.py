@@ -31,7 +31,7 @@ from typing import Any
 from metaroce_api import InvalidObject, MetaRoceNetwork, parse_duration, validate_network
 from metaroce_api import constants as c
 from metaroce_api.failpoints import failpoint
-from metaroce_operator import cleanup, crash, events, metrics, probes, taints, upgrade
+from metaroce_operator import cleanup, events, metrics, probes, taints, upgrade
 from metaroce_operator.apply import ApplyFailed, apply_children
 from metaroce_operator.claim import CLAIM_ANNOTATION, claim_patch, claimant, split_claim
 from metaroce_operator.conflicts import (
@@ -100,13 +100,14 @@ DRIFT_CHECKED = ("DaemonSet", "ClusterRole", "ClusterRoleBinding")
 """Children whose owned fields are compared with each watch event (see `drift`)."""
 
 
-def _kill_point(kind: str) -> None:
-    """TEST ONLY (see `crash`): exit after the ConfigMap or the DaemonSet was applied."""
+def _after_child(kind: str) -> None:
+    """Failpoints (see metaroce_api.failpoints) after each child applied: any child, and
+    the ConfigMap and DaemonSet by name (the restart tests kill there)."""
     failpoint("rollout.after_child")  # between child kinds (the fault tier)
     if kind == "ConfigMap":
-        crash.point("after-configmap")
+        failpoint("rollout.after_configmap")
     elif kind == "DaemonSet":
-        crash.point("after-daemonset")
+        failpoint("rollout.after_daemonset")
 
 
 class PermanentFailure(Exception):
@@ -617,7 +618,7 @@ class Controller:
 
     async def _apply(self, name: str, children: list[dict[str, Any]]) -> list[dict[str, Any]]:
         try:
-            return await apply_children(self.kube, children, after=_kill_point)
+            return await apply_children(self.kube, children, after=_after_child)
         except ApplyFailed as err:
             self._apply_failed(name, err)
             raise
@@ -762,12 +763,12 @@ class Controller:
             agent_update=upgrade.update_status(
                 network.spec.agent.update_strategy.paused, self.store.holds.get(name, ())
             ),
+            holding=upgrade.holding(self.store.holds.get(name, ())),
             cleanup=cleanup_view,
             error=error,
         )
 
     async def _write_status(self, name: str, body: dict[str, Any], new: Any, previous: Any) -> None:
-        crash.point("during-status")
         failpoint("status.before_write")
         obj = {
             "apiVersion": c.API_VERSION,

@@ -19,6 +19,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from metaroce_api.failpoints import failpoint
 from metaroce_operator import metrics
 from metaroce_operator.kube import Kind, Kube
 
@@ -68,6 +69,7 @@ class Informer:
                 backoff = min(backoff * 2, 30.0)
 
     async def _list(self) -> str:
+        failpoint("informer.before_list")  # a list that fails or comes late (the fault tier)
         items, version = await self.kube.list_with_version(
             self.kind, self.namespace, label_selector=self.label_selector
         )

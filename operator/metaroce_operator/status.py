@@ -98,6 +98,9 @@ class Observed:
     taint_note: str = ""
     agent_update: AgentUpdateStatus | None = None
     """The upgrade policy's state (upgrade.py); shown only when paused or a node holds."""
+    holding: frozenset[str] = frozenset()
+    """Nodes that hold off agent updates now (upgrade.py): one still configured and healthy
+    on an older config serves the network, so it keeps Ready as a current one would."""
     cleanup: CleanupView | None = None
     error: tuple[str, str] | None = None
     """(reason, message) when the spec is invalid or rendering failed."""
@@ -109,6 +112,8 @@ class _Tally:
     healthy: int = 0
     failed: int = 0
     unhealthy: int = 0
+    held_serving: int = 0
+    """Holding nodes configured and healthy on an older config (not in `configured`)."""
     reported: int = 0
     failing: list[FailingNode] = field(default_factory=list)
     modes: dict[str, int] = field(default_factory=dict)
@@ -138,6 +143,11 @@ def _tally(obs: Observed) -> _Tally:
                     message=_short(report.error or f"the agent reports phase {report.phase}"),
                 )
             )
+            continue
+        if not current and node in obs.holding and report.phase == "Ready":
+            verdict = obs.verdicts.get(node)
+            if verdict is None or verdict.healthy:
+                t.held_serving += 1
             continue
         if not (current and report.phase in CONFIGURED_PHASES):
             continue
@@ -275,6 +285,16 @@ def compute_status(
         or not ds.rolled_out
     )
     waiting = t.configured + t.failed < desired
+    # For Ready, a node that holds off the update and still serves its older config counts
+    # (a hold is a job asking for its node to stay as it is, not a failure).
+    serving = t.healthy + t.held_serving
+    ready_waiting = t.configured + t.held_serving + t.failed < desired
+    held_note = (
+        f"; {t.held_serving} of them hold off the agent update on an older config until "
+        "their deadline (status.agentUpdate)"
+        if t.held_serving
+        else ""
+    )
     fraction = network.spec.health.ready_fraction
     needed = math.ceil(fraction * desired - 1e-9)  # 0.9 x 10 is 9.000000000000002
     members = f"kubectl get mrns -l {c.NETWORK_LABEL}={name}"
@@ -330,7 +350,15 @@ def compute_status(
         ready = (False, c.REASON_NIC_CONFLICT, obs.held[0])
     elif obs.conflicts:
         ready = (False, c.REASON_NIC_CONFLICT, obs.conflicts[0])
-    elif ds is None or obs.applied_generation is None or not ds.observed_current:
+    elif (
+        ds is None
+        or obs.applied_generation is None
+        or (not ds.observed_current and obs.eligible is None)
+    ):
+        # A DaemonSet the controller has not observed yet with known eligible nodes is
+        # judged by the reports below: an edit that leaves the agents' config as it is
+        # (the switch to OnDelete when a node starts holding, an image) must not flap
+        # Ready to False for the moment until the DaemonSet controller catches up.
         ready = (False, c.REASON_ROLLING_OUT, "the agent DaemonSet is being created or updated")
     elif desired == 0:
         ready = (
@@ -339,14 +367,19 @@ def compute_status(
             "no node matches spec.nodeSelector (or the nodes have taints the agents do not "
             "tolerate): label nodes, or change spec.nodeSelector / spec.tolerations",
         )
-    elif t.healthy == desired and not waiting:
-        ready = (True, c.REASON_RECONCILED, f"all {desired} node(s) configured and healthy")
-    elif not waiting and t.healthy >= needed and needed < desired:
+    elif serving == desired and not ready_waiting:
         ready = (
             True,
             c.REASON_RECONCILED,
-            f"{t.healthy} of {desired} node(s) configured and healthy (spec.health."
-            f"readyFraction {fraction:g} needs {needed}); see Degraded for the others",
+            f"all {desired} node(s) configured and healthy{held_note}",
+        )
+    elif not ready_waiting and serving >= needed and needed < desired:
+        ready = (
+            True,
+            c.REASON_RECONCILED,
+            f"{serving} of {desired} node(s) configured and healthy (spec.health."
+            f"readyFraction {fraction:g} needs {needed}){held_note}; see Degraded for the "
+            "others",
         )
     elif t.failed:
         ready = (False, c.REASON_NODES_FAILED, failed_message)

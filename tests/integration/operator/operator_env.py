@@ -43,6 +43,7 @@ from metaroce_api import (
     ObjectMeta,
     ProbePeer,
     ProbeSummary,
+    failpoints,
     nodestate_labels,
     nodestate_name,
 )
@@ -120,8 +121,8 @@ class OperatorProcess:
             "TMPDIR": str(tmp),
             **self.env,
         }
-        if "METAROCE_TEST_CRASH_AT" not in self.env:
-            env.pop("METAROCE_TEST_CRASH_AT", None)
+        if failpoints.ENV not in self.env:  # only the failpoints this process is given
+            env.pop(failpoints.ENV, None)
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
                 argv,

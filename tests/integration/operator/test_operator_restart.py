@@ -3,13 +3,14 @@ the same objects with no extra DaemonSet rollout (same template hash and generat
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 from conftest import OperatorEnv
 from operator_env import network_manifest, wait_for
 
 from metaroce_api import constants as c
-from metaroce_api import validate_network
-from metaroce_operator import crash
+from metaroce_api import failpoints, validate_network
 from metaroce_operator.render import render_network
 from metaroce_operator.render.common import child_name
 from metaroce_operator.settings import RenderSettings
@@ -17,16 +18,20 @@ from metaroce_operator.settings import RenderSettings
 POOL_A = {"matchLabels": {"harness.metaroce.io/pool": "a"}}
 
 
-@pytest.mark.parametrize("point", crash.POINTS)
+KILL_POINTS = ("rollout.after_configmap", "rollout.after_daemonset", "status.before_write")
+"""Failpoints (metaroce_api.failpoints) where the first operator is killed -9, first hit."""
+
+
+@pytest.mark.parametrize("point", KILL_POINTS)
 def test_kill_and_restart_converges_without_a_rollout(env: OperatorEnv, point: str) -> None:
-    name = f"crash-{point.replace('-', '')}"[:40]
+    name = f"crash-{point.rpartition('.')[2].replace('_', '')}"[:40]
     args = env.operator_args()
-    first = env.start_operator(args=args, env={crash.ENV: point})
+    first = env.start_operator(args=args, env={failpoints.ENV: f"{point}=1"})
     gen = env.loadgen(name)
     manifest = network_manifest(name, nodeSelector=POOL_A)
     env.apply(manifest)
-    assert first.wait(60) == 1, first.log()[-3000:]
-    assert f"{crash.ENV}={point}" in first.log()
+    assert first.wait(60) == -signal.SIGKILL, first.log()[-3000:]
+    assert f"failpoint {point} (hit 1, {failpoints.ENV}): SIGKILL" in first.log()
 
     cm_name = child_name(name)
     cm_exists = (
@@ -37,7 +42,7 @@ def test_kill_and_restart_converges_without_a_rollout(env: OperatorEnv, point: s
     )
     assert cm_exists, "the ConfigMap is applied before every kill point"
     ds_before = env.daemonset(name)
-    if point == "after-configmap":
+    if point == "rollout.after_configmap":
         assert ds_before is None
     else:
         assert ds_before is not None

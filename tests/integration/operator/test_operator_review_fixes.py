@@ -11,6 +11,7 @@ Each test here failed on b6733c0 (see hack/show-operator-regressions.sh):
 from __future__ import annotations
 
 import json
+import signal
 import time
 from typing import Any
 
@@ -21,6 +22,7 @@ from operator_env import LoadGenerator, condition, get_json, network_manifest, w
 from test_operator_nodes import _peers, _tainted
 
 from metaroce_api import constants as c
+from metaroce_api import failpoints
 from metaroce_harness.cluster import FakeNode
 from metaroce_operator.render.common import child_name
 
@@ -154,9 +156,9 @@ def test_cleanup_finalizer_is_added_before_any_child(env: OperatorEnv) -> None:
     put the finalizer on already (else a deletion now would skip the revert)."""
     env.apply(network_manifest("first", nodeSelector=POOL_A, cleanupOnDelete=True))
     crashing = env.start_operator(
-        env={"METAROCE_TEST_CRASH_AT": "after-configmap"}, wait_leader=False
+        env={failpoints.ENV: "rollout.after_configmap=1"}, wait_leader=False
     )
-    crashing.wait(90)
+    assert crashing.wait(90) == -signal.SIGKILL, crashing.log()[-3000:]
     cm = get_json(env.cluster, "configmap", child_name("first"), "-n", env.namespace)
     assert cm is not None, "the kill point was not reached: the test proves nothing"
     assert c.CLEANUP_FINALIZER in _finalizers(env, "first"), json.dumps(env.network("first"))

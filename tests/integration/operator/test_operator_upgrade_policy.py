@@ -13,7 +13,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from conftest import OperatorEnv
-from operator_env import network_manifest, wait_for
+from operator_env import condition, network_manifest, wait_for
 
 from metaroce_api import constants as c
 from metaroce_harness.cluster import FakeNode
@@ -43,6 +43,12 @@ def _agent_update(env: OperatorEnv, network: str) -> dict[str, Any]:
     return dict(((env.network(network) or {}).get("status") or {}).get("agentUpdate") or {})
 
 
+def _ready(env: OperatorEnv, network: str) -> tuple[str, str]:
+    """(status, lastTransitionTime) of the network's Ready condition."""
+    cond = condition(env.network(network), c.CONDITION_READY)
+    return str(cond.get("status")), str(cond.get("lastTransitionTime"))
+
+
 def _deadline(delta: timedelta) -> str:
     return (datetime.now(UTC) + delta).strftime(c.UPDATE_HOLD_FORMAT)
 
@@ -63,6 +69,7 @@ def test_a_node_holding_updates_keeps_its_agent_until_the_deadline_issue_16_17(
                           set(p) >= set(NODES) and p, timeout=60)  # fmt: skip
         assert _strategy(env, "upg") == "RollingUpdate"
 
+        ready_since = _ready(env, "upg")
         hold = f"{c.UPDATE_HOLD_LABEL}={_deadline(timedelta(minutes=30))}"
         env.cluster.kubectl("label", "node", "upg-2", hold)
         wait_for("the DaemonSet to be OnDelete", lambda: _strategy(env, "upg") == "OnDelete",
@@ -72,6 +79,8 @@ def test_a_node_holding_updates_keeps_its_agent_until_the_deadline_issue_16_17(
         assert shown["strategy"] == "OnDelete"
         assert shown["heldNodes"][0]["node"] == "upg-2"
         assert shown["heldNodes"][0]["state"] == "holding"
+        # A node merely holding (the DaemonSet switched to OnDelete) does not flap Ready.
+        assert _ready(env, "upg") == ready_since, "Ready went False and back for a hold"
 
         # A spec change that restarts agents (a new config): only the nodes not holding.
         manifest["spec"]["agent"]["logLevel"] = "debug"
@@ -85,6 +94,10 @@ def test_a_node_holding_updates_keeps_its_agent_until_the_deadline_issue_16_17(
             return now if fresh else None
 
         after = wait_for("the other nodes' agents to be replaced", others_updated, timeout=120)
+        # Once they report the new config, the held node serving the old one keeps Ready.
+        ready = env.wait_condition("upg", c.CONDITION_READY, "True", generation=2)
+        message = next(x for x in ready["status"]["conditions"] if x["type"] == "Ready")["message"]
+        assert "1 of them hold off the agent update" in message, message
         time.sleep(5)  # a few node passes: the held node's agent stays
         assert _pods(env, "upg")["upg-2"] == before["upg-2"], "the held node's agent was replaced"
         assert after["upg-1"][1] == after["upg-3"][1]

@@ -27,6 +27,22 @@ def test_error_from_the_nth_hit_on() -> None:
         failpoints.reset("")
 
 
+def test_error_k_times_from_the_nth_hit_then_passes() -> None:
+    failpoints.reset("informer.before_list=2:error=3")
+    try:
+        raised = []
+        for _ in range(6):
+            try:
+                failpoints.failpoint("informer.before_list")
+            except failpoints.FailpointError:
+                raised.append(True)
+            else:
+                raised.append(False)
+        assert raised == [False, True, True, True, False, False]
+    finally:
+        failpoints.reset("")
+
+
 def test_kill_is_sigkill_at_the_nth_hit() -> None:
     code = (
         "from metaroce_api.failpoints import failpoint\n"
@@ -40,9 +56,12 @@ def test_kill_is_sigkill_at_the_nth_hit() -> None:
         check=False,
     )
     assert proc.returncode == -9 and proc.stdout == "first\n"
+    assert "failpoint x (hit 2, METAROCE_FAILPOINTS): SIGKILL" in proc.stderr
 
 
-@pytest.mark.parametrize("spec", ["x", "x=0", "x=two", "=1", "x=1:explode"])
+@pytest.mark.parametrize(
+    "spec", ["x", "x=0", "x=two", "=1", "x=1:explode", "x=1:error=0", "x=1:error=", "x=1:kill=2"]
+)
 def test_bad_specs_name_the_variable(spec: str) -> None:
     with pytest.raises(ValueError, match="METAROCE_FAILPOINTS"):
         failpoints.parse(spec)

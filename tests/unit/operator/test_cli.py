@@ -180,6 +180,25 @@ def test_run_main_reports_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--webhook-port: '70000' is not a port number" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("variable", "value", "said"),
+    [
+        ("METAROCE_TEST_CRASH_AT", "after-configmap", "rollout.after_configmap"),
+        ("METAROCE_FAILPOINTS", "informer.before_list=1:eror", "is not kill, error or error=K"),
+    ],
+)
+def test_run_main_refuses_a_kill_switch_that_would_never_fire(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, variable: str,
+    value: str, said: str,
+) -> None:  # fmt: skip
+    """The old METAROCE_TEST_CRASH_AT is merged into the failpoints: a test still setting
+    it (or a misspelt failpoint action) fails loudly rather than never killing."""
+    monkeypatch.setenv(variable, value)
+    assert metaroce(["operator"]) == 2
+    err = capsys.readouterr().err
+    assert variable in err and said in err
+
+
 def test_default_agent_image_is_tagged_with_the_charts_app_version() -> None:
     # One tag source: the operator's default must name the image the chart and
     # hack/build-images.sh produce.

@@ -311,3 +311,51 @@ def test_ready_threshold_from_the_spec_issue_16_10() -> None:
     strict = network(health={"readyFraction": 0.9})
     s = compute_status(observed(nodes, net=strict), None, T0)
     assert cond(s, c.CONDITION_READY)[0] == "False"
+
+
+def test_a_daemonset_edit_that_keeps_the_config_does_not_flap_ready() -> None:
+    """A node that starts (or stops) holding off agent updates switches the DaemonSet to
+    OnDelete (and back): a new DaemonSet generation with the same agent config. Until the
+    DaemonSet controller observes it, the reports still prove every node configured:
+    Ready stays True (it went False, RollingOut, for that moment)."""
+    nodes = [report("a"), report("b"), report("c")]
+    before = compute_status(observed(nodes, eligible=frozenset("abc")), None, T0)
+    assert cond(before, c.CONDITION_READY) == ("True", c.REASON_RECONCILED)
+    edited = replace(DONE, generation=2)  # observed_generation still 1
+    later = T0 + timedelta(seconds=5)
+    s = compute_status(observed(nodes, ds=edited, eligible=frozenset("abc")), before, later)
+    assert cond(s, c.CONDITION_READY) == ("True", c.REASON_RECONCILED)
+    ready = [x for x in s.conditions or [] if x.type == c.CONDITION_READY]
+    assert ready == [x for x in before.conditions or [] if x.type == c.CONDITION_READY]
+    assert transition_events(before, s) == []  # no Ready (or Degraded) Event
+    # Not knowing which nodes are eligible, it cannot judge: rolling out, as before.
+    s = compute_status(observed(nodes, ds=edited), before, later)
+    assert cond(s, c.CONDITION_READY) == ("False", c.REASON_ROLLING_OUT)
+    # A new agent config is not proven by reports of the old one.
+    s = compute_status(observed(nodes, ds=edited, eligible=frozenset("abc"), config_gen=2),
+                       before, later)  # fmt: skip
+    assert cond(s, c.CONDITION_READY)[0] == "False"
+
+
+def test_a_node_holding_off_the_update_on_its_older_config_keeps_ready() -> None:
+    """A node that holds off agent updates (a job runs there) still serves the network on
+    its older config: Ready stays True, saying so; Progressing says the rollout waits; the
+    node counts only count nodes on the current config."""
+    rolling = DaemonSetView(
+        generation=2, observed_generation=2, desired=3, current=3, updated=2, available=3, ready=3
+    )
+    nodes = [report("a", gen=2), report("b", gen=2), report("c", gen=1)]
+    held = observed(nodes, ds=rolling, applied=2, config_gen=2, holding=frozenset({"c"}))
+    s = compute_status(held, None, T0)
+    assert cond(s, c.CONDITION_READY) == ("True", c.REASON_RECONCILED)
+    ready = next(x for x in s.conditions or [] if x.type == c.CONDITION_READY)
+    assert "1 of them hold off the agent update" in ready.message
+    assert cond(s, c.CONDITION_PROGRESSING)[0] == "True"
+    assert s.nodes is not None and (s.nodes.configured, s.nodes.healthy) == (2, 2)
+    # The same node not holding: it is simply not updated yet.
+    s = compute_status(replace(held, holding=frozenset()), None, T0)
+    assert cond(s, c.CONDITION_READY) == ("False", c.REASON_ROLLING_OUT)
+    # A holding node that does not serve (its agent failed) does not count.
+    failed = [*nodes[:2], report("c", phase="Failed", gen=1, error="apply: boom")]
+    s = compute_status(replace(held, reports={r.node: r for r in failed}), None, T0)
+    assert cond(s, c.CONDITION_READY) == ("False", c.REASON_NODES_FAILED)
