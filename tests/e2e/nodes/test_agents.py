@@ -766,6 +766,23 @@ def _mr_agents(kube: Kube) -> list[dict[str, Any]]:
     return list(json.loads(out)["items"])
 
 
+def _print_revert_state(kube: Kube) -> None:
+    """What a network stuck in deletion waits for: its NodeStates' phases and conditions,
+    and the end of each agent's log."""
+    for st in _mr_states(kube):
+        status = st.get("status") or {}
+        conds = [(c.get("type"), c.get("reason"), c.get("message", "")[:300])
+                 for c in status.get("conditions") or []]  # fmt: skip
+        print(
+            f"NodeState {st['metadata']['name']}: phase {status.get('phase')}, reverted "
+            f"{status.get('reverted')}, applied {status.get('applied')}, conditions {conds}"
+        )
+    for pod in _mr_agents(kube):
+        name = pod["metadata"]["name"]
+        logs = kube.kubectl("logs", "-n", NAMESPACE, name, "-c", "agent", "--tail=60", check=False)
+        print(f"--- agent {name} ({pod['spec'].get('nodeName')}):\n{logs.stdout}{logs.stderr}")
+
+
 def test_5_metaroce_network_rolls_out_and_pods_get_the_library(
     kube: Kube, operator: None, figures: list[str]
 ) -> None:
@@ -937,12 +954,39 @@ def test_5_metaroce_network_rolls_out_and_pods_get_the_library(
                 assert library["directory"] in records, (g.name, records)
             for name in names:  # the pods still run on their version
                 assert "libmetaroce-fi.so" in run(name, "ls /opt/metaroce-transport/lib")
+            # the rollout settles before the deletion below: both agents Ready on the new
+            # config (once, at load 4, a deletion that landed while node-2's agent pod was
+            # still being replaced took more than its 240 s on the TCG guests)
+            _wait(
+                "both metaroce agents Ready on the patched config",
+                lambda: (
+                    sorted(
+                        s["spec"]["node"]
+                        for s in _mr_states(kube)
+                        if s.get("status", {}).get("phase") == "Ready"
+                        and s["status"].get("configGeneration", 0) >= 2
+                    )
+                    == sorted(nodes)
+                ),
+                420,
+            )
 
         kube.kubectl("delete", "namespace", MR_POD_NAMESPACE, "--wait=true", timeout=240)
     finally:
         kube.kubectl("delete", "namespace", MR_POD_NAMESPACE, "--ignore-not-found", check=False)
-        kube.kubectl("delete", "metarocenetwork", MR_NETWORK, "--wait=true", "--ignore-not-found",
-                     timeout=240, check=False)  # fmt: skip
+        deleted = kube.kubectl("delete", "metarocenetwork", MR_NETWORK, "--wait=false",
+                               "--ignore-not-found", check=False)  # fmt: skip
+        if deleted.returncode == 0:
+
+            def gone() -> bool:
+                got = kube.kubectl("get", "metarocenetwork", MR_NETWORK, check=False)
+                return bool(got.returncode != 0)
+
+            try:
+                _wait("the metaroce network deleted (its nodes reverted)", gone, 240)
+            except AssertionError:
+                _print_revert_state(kube)
+                raise
     _wait("metaroce agent pods gone", lambda: not _mr_agents(kube), 240)
     real = kube.real_nodes
     if real is not None and real.guests is not None:
