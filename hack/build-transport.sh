@@ -116,22 +116,28 @@ done
 # this host's glibc headers before zig's). The wrapper drops --exclude-libs, which zig's
 # linker refuses: the version scripts (exports.map, `local: *`) already keep every
 # symbol of libmetaroce.a local, and each Makefile's `check` verifies the exports.
-zcc="$CARGO_TARGET_DIR/zig-cc-$ZIG_VERSION-$GLIBC_FLOOR"
-[[ -f /usr/include/rdma/fabric.h ]] || die "/usr/include/rdma/fabric.h missing: apt-get install libfabric-dev"
-fabric_so=$(ls /usr/lib/"$arch"-linux-gnu/libfabric.so.1 2>/dev/null) || die "libfabric.so.1 missing: apt-get install libfabric-dev"
-mkdir -p "$zcc.tmp.$$/include" "$zcc.tmp.$$/lib"
-ln -s /usr/include/rdma "$zcc.tmp.$$/include/rdma"
-ln -s "$fabric_so" "$zcc.tmp.$$/lib/libfabric.so"
-cat >"$zcc.tmp.$$/cc" <<WRAPPER
+# make_cc DIR RDMA_INCLUDE FABRIC_SO: the wrapper DIR/cc, for one libfabric's headers.
+make_cc() {
+  local zcc=$1 rdma=$2 so=$3
+  rm -rf "$zcc.tmp.$$"
+  mkdir -p "$zcc.tmp.$$/include" "$zcc.tmp.$$/lib"
+  ln -s "$rdma" "$zcc.tmp.$$/include/rdma"
+  ln -s "$so" "$zcc.tmp.$$/lib/libfabric.so"
+  cat >"$zcc.tmp.$$/cc" <<WRAPPER
 #!/usr/bin/env bash
-# zig cc for glibc $GLIBC_FLOOR (written by hack/build-transport.sh)
+# zig cc for glibc $GLIBC_FLOOR and $rdma (written by hack/build-transport.sh)
 args=()
 for a in "\$@"; do [[ \$a == -Wl,--exclude-libs,ALL ]] || args+=("\$a"); done
 exec "$zig_dir/zig" cc -target $arch-linux-gnu.$GLIBC_FLOOR -I"$zcc/include" -L"$zcc/lib" "\${args[@]}"
 WRAPPER
-chmod +x "$zcc.tmp.$$/cc"
-rm -rf "$zcc"
-mv "$zcc.tmp.$$" "$zcc"
+  chmod +x "$zcc.tmp.$$/cc"
+  rm -rf "$zcc"
+  mv "$zcc.tmp.$$" "$zcc"
+}
+zcc="$CARGO_TARGET_DIR/zig-cc-$ZIG_VERSION-$GLIBC_FLOOR"
+[[ -f /usr/include/rdma/fabric.h ]] || die "/usr/include/rdma/fabric.h missing: apt-get install libfabric-dev"
+fabric_so=$(ls /usr/lib/"$arch"-linux-gnu/libfabric.so.1 2>/dev/null) || die "libfabric.so.1 missing: apt-get install libfabric-dev"
+make_cc "$zcc" /usr/include/rdma "$fabric_so"
 export CC="$zcc/cc" GLIBC_FLOOR
 # make does not track the compiler: objects another compiler (a build before this floor,
 # another zig) left in the C parts' output directories are removed, so none is reused.
@@ -144,6 +150,20 @@ if [[ -x "$repo/transport/libfabric/build.sh" ]]; then
   t0=$SECONDS
   bash "$repo/transport/libfabric/build.sh" "$release" >&2 || die "libfabric provider build failed (see above)"
   say "libfabric provider built ($((SECONDS - t0)) s)"
+  # The same provider for libfabric 2.x cores (their fi_info layout; see prov.c), against
+  # Debian trixie's libfabric-dev: each build registers only in the cores it is right for.
+  t0=$SECONDS
+  fi2=$(bash "$repo/hack/fetch-libfabric2.sh") || die "libfabric 2.x headers not fetched (see above)"
+  fi2_libs=("$fi2"/usr/lib/*/libfabric.so.1)
+  fi2_so=${fi2_libs[0]}
+  make_cc "$zcc-fi2" "$fi2/usr/include/rdma" "$fi2_so"
+  out="$release/libfabric-v2"  # its objects go when the compiler or the headers change
+  if [[ -d "$out" && "$(cat "$out/.compiler" 2>/dev/null)" != "$zcc-fi2 $fi2" ]]; then rm -rf "$out"; fi
+  mkdir -p "$out"
+  echo "$zcc-fi2 $fi2" >"$out/.compiler"
+  CC="$zcc-fi2/cc" FABRIC_SO="$fi2_so" OUT_SUFFIX=-v2 bash "$repo/transport/libfabric/build.sh" \
+    "$release" libmetaroce-v2-fi.so >&2 || die "libfabric 2.x provider build failed (see above)"
+  say "libfabric 2.x provider built ($((SECONDS - t0)) s)"
 fi
 if [[ -x "$repo/transport/nccl/build.sh" ]]; then
   t0=$SECONDS

@@ -8,6 +8,7 @@
  * FI_FORMAT_UNSPEC (provider-specific, opaque to the application).
  */
 #include <arpa/inet.h>
+#include <dlfcn.h>
 #include <ifaddrs.h>
 #include <net/if.h>
 #include <netdb.h>
@@ -30,8 +31,54 @@ struct fi_provider mrfi_prov = {
 	.cleanup = mrfi_cleanup,
 };
 
+#ifndef MRFI_DUPINFO_ABI_MINOR
+#error "MRFI_DUPINFO_ABI_MINOR: the minor of the FABRIC_1.x fi_dupinfo this build links (build.sh sets it)"
+#endif
+
+/*
+ * The fi_info structures a provider returns reach the application as the
+ * core's own layout, and this provider makes them with fi_dupinfo: the
+ * fi_dupinfo version this object links is the layout it writes (FABRIC_1.3
+ * for libfabric 1.9-1.19, 1.7 for 1.20-1.22, 1.8 for 2.x). A core whose
+ * default fi_dupinfo is newer would read and free fields past what this
+ * build allocated, so this build stays out of such a core; the build against
+ * that core's headers (libmetaroce-v2-fi.so for 2.x) registers there. An
+ * older core cannot load this object at all (the symbol version is missing).
+ * Returns the newest FABRIC_1.x minor the core has above this build's, or 0.
+ */
+static int mrfi_core_layout_newer(void)
+{
+	void *core = dlopen("libfabric.so.1", RTLD_LAZY | RTLD_NOLOAD);
+	int newer = 0;
+
+	if (!core)
+		return 0; /* not found by that name: nothing to compare with */
+	for (int minor = MRFI_DUPINFO_ABI_MINOR + 1;
+	     minor <= MRFI_DUPINFO_ABI_MINOR + 16; minor++) {
+		char version[32];
+
+		snprintf(version, sizeof(version), "FABRIC_1.%d", minor);
+		if (dlvsym(core, "fi_dupinfo", version))
+			newer = minor;
+	}
+	dlclose(core);
+	return newer;
+}
+
 FI_EXT_INI
 {
+	int newer = mrfi_core_layout_newer();
+
+	if (newer) {
+		MRFI_WARN(FI_LOG_CORE,
+			  "this build of the metaroce provider writes fi_info as "
+			  "FABRIC_1.%d, libfabric %u.%u (this process's) reads "
+			  "FABRIC_1.%d: not registering; the build for it is "
+			  "libmetaroce-v2-fi.so (libfabric 2.x) beside this one\n",
+			  MRFI_DUPINFO_ABI_MINOR, FI_MAJOR(fi_version()),
+			  FI_MINOR(fi_version()), newer);
+		return NULL;
+	}
 	fi_param_define(&mrfi_prov, "iface", FI_PARAM_STRING,
 			"Network interface whose first IPv4 address the "
 			"endpoints bind when neither MR_CONFIG addr= nor the "
@@ -339,7 +386,9 @@ static int fill_info(uint32_t version, const struct fi_info *h,
 	if (!(fi->tx_attr->op_flags & COMPLETION_LEVELS))
 		fi->tx_attr->op_flags |= FI_TRANSMIT_COMPLETE;
 	fi->tx_attr->msg_order = FI_ORDER_SAS;
+#if FI_MAJOR_VERSION < 2 /* deprecated in 2.x: left zero there */
 	fi->tx_attr->comp_order = FI_ORDER_NONE;
+#endif
 	fi->tx_attr->inject_size = mr_max_inject();
 	fi->tx_attr->size = MRFI_TX_SIZE;
 	fi->tx_attr->iov_limit = MRFI_IOV_LIMIT;
@@ -351,7 +400,9 @@ static int fill_info(uint32_t version, const struct fi_info *h,
 	fi->rx_attr->mode = 0;
 	fi->rx_attr->op_flags = (h && h->rx_attr) ? h->rx_attr->op_flags : 0;
 	fi->rx_attr->msg_order = FI_ORDER_SAS;
+#if FI_MAJOR_VERSION < 2
 	fi->rx_attr->comp_order = FI_ORDER_NONE;
+#endif
 	fi->rx_attr->total_buffered_recv = 0;
 	fi->rx_attr->size = MRFI_RX_SIZE;
 	fi->rx_attr->iov_limit = MRFI_IOV_LIMIT;
@@ -382,12 +433,15 @@ static int fill_info(uint32_t version, const struct fi_info *h,
 	d->resource_mgmt = (hd && hd->resource_mgmt) ? hd->resource_mgmt
 						     : FI_RM_ENABLED;
 	d->av_type = (hd && hd->av_type) ? hd->av_type : FI_AV_UNSPEC;
+	(void)version;
+#if FI_MAJOR_VERSION < 2 /* 2.x has no API before 1.5 and deprecates these */
 	if (FI_VERSION_LT(version, FI_VERSION(1, 5)))
 		d->mr_mode = (hd && (hd->mr_mode == FI_MR_BASIC ||
 				     hd->mr_mode == FI_MR_SCALABLE))
 				     ? hd->mr_mode
 				     : FI_MR_SCALABLE;
 	else
+#endif
 		d->mr_mode = 0; /* no registration needed: no RMA */
 	d->mr_key_size = 8;
 	d->cq_data_size = MRFI_CQ_DATA_SIZE;
