@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = ROOT / "hack" / "build-transport.sh"
 SHIPPED = (
     "libmetaroce-fi.so",
+    "libmetaroce-v2-fi.so",
     "libnccl-net-metaroce.so",
     "metaroce-perf",
     "nccl/nccl-net-check",

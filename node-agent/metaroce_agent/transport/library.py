@@ -3,7 +3,9 @@
 The agent image carries the transport (`IMAGE_DIR`, staged by hack/stage-transport.sh):
 
     VERSION                        the transport's version (its crates' version)
-    lib/libmetaroce-fi.so          the libfabric provider (FI_PROVIDER_PATH)
+    lib/libmetaroce-fi.so          the libfabric provider (FI_PROVIDER_PATH), for 1.x
+    lib/libmetaroce-v2-fi.so       the same for libfabric 2.x (each build registers only
+                                   in the libfabric whose fi_info layout it writes)
     lib/libnccl-net-metaroce.so    NCCL's net plugin (NCCL_NET_PLUGIN=metaroce)
     bin/metaroce-perf              bandwidth and latency tool
     bin/nccl-net-check             NCCL's call contract between two processes (self-test)
@@ -46,7 +48,8 @@ NCCL_PLUGIN = "lib/libnccl-net-metaroce.so"
 PERF = "bin/metaroce-perf"
 NCCL_CHECK = "bin/nccl-net-check"
 FI_SELFTEST = "bin/metaroce-fi-selftest"
-FILES = (PROVIDER, NCCL_PLUGIN, PERF, NCCL_CHECK, FI_SELFTEST)
+PROVIDER_V2 = "lib/libmetaroce-v2-fi.so"
+FILES = (PROVIDER, PROVIDER_V2, NCCL_PLUGIN, PERF, NCCL_CHECK, FI_SELFTEST)
 SUMS = "SHA256SUMS"
 SELFTEST_TIMEOUT_S = 120.0
 
