@@ -204,6 +204,7 @@ def test_1_agents_run_as_daemonset_pods(kube: Kube, operator: None) -> None:
     if real is not None and real.guests is not None:
         for g in real.guests:
             assert "rxe" in g.run("rdma link", check=True).stdout, g.name
+    _doctor_sees_a_ready_node(kube)
 
 
 # -- 2: training pods ---------------------------------------------------------------------
@@ -419,6 +420,26 @@ def _on_node(guest: Any) -> tuple[Any, Any]:
     return server, client
 
 
+def _doctor_sees_a_ready_node(kube: Kube) -> None:
+    """`metaroce doctor --node` (issue 17): the agent's doctor inside that node's live agent
+    pod, with the config the operator rendered for it, sees the node ready with its rxe
+    device. Run while the agents' settings are in place: test 2 removes the marking on
+    purpose, and the doctor reports that drift (until the hourly drift pass repairs it)."""
+    node = kube.nodes[0]
+    done = subprocess.run(
+        [sys.executable, "-m", "metaroce_cli.main", "doctor", f"--node={node}",
+         f"--network={NETWORK}", "--json"],
+        env=_cli_env(kube), capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    print(f"doctor --node {node}:\n{done.stdout[-3000:]}{done.stderr}")
+    assert done.returncode == 0, done.stdout + done.stderr
+    header, _, body = done.stdout.partition("\n")
+    assert header.startswith(f"== network {NETWORK}: "), done.stdout
+    report = json.loads(body)
+    assert report["node"] == node and report["ready"] is True, report
+    assert report["inventory"]["rdma_devices"], report
+
+
 def test_2_annotated_pods_move_rdma_traffic(
     kube: Kube, operator: None, figures: list[str], repeat: int
 ) -> None:
@@ -607,22 +628,6 @@ def test_2b_metaroce_test_rdma_moves_data(kube: Kube, operator: None) -> None:
     _, out = _test_rdma(kube, NETWORK, POD_NAMESPACE, "--perftest-flags=-s 65536 -t 1")
     assert re.search(r"bandwidth \(ib_write_bw, 4 s\): [\d.]+ Gb/s", out), out
     assert re.search(r"latency \(ib_send_lat\): typical [\d.]+ us", out), out
-
-    # `metaroce doctor --node` (issue 17): the agent's doctor inside that node's live agent
-    # pod, with the config the operator rendered for it, sees the node's rxe device
-    node = kube.nodes[0]
-    done = subprocess.run(
-        [sys.executable, "-m", "metaroce_cli.main", "doctor", f"--node={node}",
-         f"--network={NETWORK}", "--json"],
-        env=_cli_env(kube), capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    print(f"doctor --node {node}:\n{done.stdout[-3000:]}{done.stderr}")
-    assert done.returncode == 0, done.stdout + done.stderr
-    header, _, body = done.stdout.partition("\n")
-    assert header.startswith(f"== network {NETWORK}: "), done.stdout
-    report = json.loads(body)
-    assert report["node"] == node and report["ready"] is True, report
-    assert report["inventory"]["rdma_devices"], report
 
 
 def test_3_kubelet_restart_keeps_the_resource(kube: Kube, operator: None) -> None:
