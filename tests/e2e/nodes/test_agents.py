@@ -764,6 +764,16 @@ def _mr_states(kube: Kube) -> list[dict[str, Any]]:
     return list(json.loads(out)["items"])
 
 
+def _mr_ready_nodes(kube: Kube, config_generation: int = 0) -> list[str]:
+    """The nodes whose metaroce NodeState is Ready on at least `config_generation`."""
+    return sorted(
+        s["spec"]["node"]
+        for s in _mr_states(kube)
+        if s.get("status", {}).get("phase") == "Ready"
+        and s["status"].get("configGeneration", 0) >= config_generation
+    )
+
+
 def _mr_agents(kube: Kube) -> list[dict[str, Any]]:
     out = kube.kubectl(
         "get", "pods", "-n", NAMESPACE, "-l", f"metaroce.io/network={MR_NETWORK}", "-o", "json"
@@ -801,14 +811,7 @@ def test_5_metaroce_network_rolls_out_and_pods_get_the_library(
     try:
         took = _wait(
             "metaroce NodeStates Ready on both nodes",
-            lambda: (
-                sorted(
-                    s["spec"]["node"]
-                    for s in _mr_states(kube)
-                    if s.get("status", {}).get("phase") == "Ready"
-                )
-                == sorted(nodes)
-            ),
+            lambda: _mr_ready_nodes(kube) == sorted(nodes),
             420,
         )
         figures.append(f"metaroce network: NodeStates Ready {took:.1f} s after apply")
@@ -962,15 +965,7 @@ def test_5_metaroce_network_rolls_out_and_pods_get_the_library(
             # still being replaced took more than its 240 s on the TCG guests)
             _wait(
                 "both metaroce agents Ready on the patched config",
-                lambda: (
-                    sorted(
-                        s["spec"]["node"]
-                        for s in _mr_states(kube)
-                        if s.get("status", {}).get("phase") == "Ready"
-                        and s["status"].get("configGeneration", 0) >= 2
-                    )
-                    == sorted(nodes)
-                ),
+                lambda: _mr_ready_nodes(kube, config_generation=2) == sorted(nodes),
                 420,
             )
 
