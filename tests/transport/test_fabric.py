@@ -96,6 +96,35 @@ def test_sigterm_and_the_cleanup_subcommand_remove_everything() -> None:
     assert not any(n.startswith(f"{prefix}-") for n in fabric.list_netns())
 
 
+def test_cleanup_leaves_a_running_owners_fabric_and_removes_a_killed_ones() -> None:
+    # Two test sessions or benches on one host: one's cleanup must not pull the other's
+    # fabric from under it, and what a kill -9 left must still go.
+    prefix = "mrfy"
+    name = fabric.new_name(prefix)
+    child = subprocess.Popen(
+        [sys.executable, "-c",
+         f"import sys, time; sys.path.insert(0, {str(FABRIC_DIR)!r}); import fabric;"
+         f" fabric.IncastFabric(name={name!r}, senders=2).up(); print('up', flush=True);"
+         " time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "up"
+        assert fabric.owner_alive(name)
+        assert fabric.cleanup(prefix) == []
+        assert any(n.startswith(name) for n in fabric.list_netns())
+        child.kill()  # SIGKILL: no exit hook runs, the fabric is left behind
+        child.wait(timeout=20)
+        assert not fabric.owner_alive(name)
+        gone = fabric.cleanup(prefix)
+        assert gone and all(n.startswith(name) for n in gone)
+        assert not any(n.startswith(f"{prefix}-") for n in fabric.list_netns())
+        assert not (fabric.OWNER_DIR / name).exists()
+    finally:
+        child.kill()
+        fabric.cleanup(prefix, include_live=True)
+
+
 @pytest.mark.parametrize("src,dst", [(A, B), (B, A)], ids=["a-to-b", "b-to-a"])
 def test_ecmp_spreads_udp_by_source_port_over_all_links(
     clean: fabric.MultipathFabric, src: tuple[str, str], dst: tuple[str, str]

@@ -25,7 +25,7 @@ Run as root. As a script:
     fabric.py counters --name N          # JSON
     fabric.py spread --name N            # UDP from 64 source ports: packets per data link
     fabric.py down --name N
-    fabric.py cleanup [--prefix mrf]     # removes every leftover namespace of the prefix
+    fabric.py cleanup [--prefix mrf] [--all]  # removes the fabrics whose owner is gone
 Importable: `with MultipathFabric() as fab: fab.set_impairments([...]); fab.counters()`.
 Python 3.11 standard library only.
 """
@@ -291,16 +291,60 @@ def delete_netns(ns: str) -> None:
     sh(["ip", "netns", "del", ns], check=False)
 
 
-def cleanup(prefix: str = NAME_PREFIX) -> list[str]:
-    """Remove every namespace of every fabric under `prefix`; returns what was removed.
-    Everything a fabric makes lives inside its namespaces (veths are created there
-    directly, never in the host namespace), so deleting them leaves nothing behind."""
+# Who made each fabric: `<name>` holds the owner's pid and its start time (clock ticks since
+# boot), so a cleanup can tell a live run's fabric (another test session, a bench) from one
+# a killed run left behind. Two runs on one host must not remove each other's fabrics.
+OWNER_DIR = Path("/run/metaroce-fabrics")
+
+
+def _proc_start(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot, or None if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # the command name (field 2) may hold spaces and parentheses: split after its ')'
+    return int(stat[stat.rindex(")") + 2 :].split()[19])
+
+
+def _record_owner(name: str) -> None:
+    OWNER_DIR.mkdir(parents=True, exist_ok=True)
+    pid = os.getpid()
+    (OWNER_DIR / name).write_text(f"{pid} {_proc_start(pid)}\n")
+
+
+def _forget_owner(name: str) -> None:
+    (OWNER_DIR / name).unlink(missing_ok=True)
+
+
+def owner_alive(name: str) -> bool:
+    """True while the process that made fabric `name` runs (and is not this one)."""
+    try:
+        pid_s, start_s = (OWNER_DIR / name).read_text().split()
+        pid, start = int(pid_s), int(start_s)
+    except (OSError, ValueError):
+        return False  # no record (made by `fabric.py up`, or an older run): an orphan
+    return pid != os.getpid() and _proc_start(pid) == start
+
+
+def cleanup(prefix: str = NAME_PREFIX, include_live: bool = False) -> list[str]:
+    """Remove the namespaces of every fabric under `prefix` whose owner is gone (or all of
+    them with `include_live`); returns what was removed. A fabric whose owner still runs
+    belongs to another test session or bench on this host and is left alone. Everything a
+    fabric makes lives inside its namespaces (veths are created there directly, never in
+    the host namespace), so deleting them leaves nothing behind."""
     if not _PREFIX_RE.match(prefix):
         raise ValueError(f"prefix={prefix!r}: 2-8 characters, a-z then a-z/0-9 (e.g. mrf)")
-    pat = re.compile(rf"^{prefix}-[0-9a-f]{{6}}-[a-z0-9]+$")
-    gone = [ns for ns in list_netns() if pat.match(ns)]
-    for ns in gone:
-        delete_netns(ns)
+    pat = re.compile(rf"^({prefix}-[0-9a-f]{{6}})-[a-z0-9]+$")
+    gone, names = [], set()
+    for ns in list_netns():
+        m = pat.match(ns)
+        if m and (include_live or not owner_alive(m.group(1))):
+            delete_netns(ns)
+            gone.append(ns)
+            names.add(m.group(1))
+    for name in names:
+        _forget_owner(name)
     return gone
 
 
@@ -371,6 +415,7 @@ class Fabric:
     def up(self) -> Self:
         _install_exit_hooks()
         _live.append(self)
+        _record_owner(self.name)
         try:
             for n in self.namespaces():
                 sh(["ip", "netns", "add", n])
@@ -393,6 +438,7 @@ class Fabric:
     def down(self) -> None:
         for n in self.namespaces():
             delete_netns(n)
+        _forget_owner(self.name)
         if self in _live:
             _live.remove(self)
 
@@ -977,8 +1023,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sp.add_argument("--name", required=True)
     co = sub.add_parser("counters")
     co.add_argument("--name", required=True)
-    cl = sub.add_parser("cleanup", help="remove every leftover namespace of a prefix")
+    cl = sub.add_parser("cleanup", help="remove the fabrics of a prefix whose owner is gone")
     cl.add_argument("--prefix", default=NAME_PREFIX)
+    cl.add_argument("--all", action="store_true", help="also the fabrics of running owners")
     sk = sub.add_parser("sink", help="(inside a namespace) count UDP, CE marks; JSON")
     sk.add_argument("--addr", required=True)
     sk.add_argument("--port", type=int, required=True)
@@ -1033,7 +1080,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.cmd == "counters":
         print(json.dumps(attach(args.name).counters(), indent=2))
     elif args.cmd == "cleanup":
-        gone = cleanup(args.prefix)
+        gone = cleanup(args.prefix, include_live=args.all)
         print(f"removed {len(gone)} namespaces: {' '.join(gone) or '-'}")
     elif args.cmd == "sink":
         print(json.dumps(udp_sink(args.addr, args.port, args.seconds, args.idle)), flush=True)
