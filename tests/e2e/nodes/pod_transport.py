@@ -235,3 +235,120 @@ def figures(arms: Arms) -> list[str]:
         f"{arms.runs['node 0%']} Gbit/s; the pods' socket buffers {rcvbuf})",
         f"load average during the transport runs: {load_average()}",
     ]
+
+
+# -- real clients between the pods ------------------------------------------------------------
+
+STATS_DIR = "/run/metaroce-stats"  # MR_STATS_DIR in every annotated pod
+PINGPONG_PORT = 47592  # fi_pingpong's out-of-band TCP port (over the pod network)
+NCCL_BOOTSTRAP_PORT = 5555
+
+
+def _pod_sh(kube: Kube, namespace: str, pod: str, script: str) -> list[str]:
+    return [kube.kubectl_bin, f"--kubeconfig={kube.kubeconfig}", "exec", "-n", namespace, pod,
+            "--", "sh", "-c", script]  # fmt: skip
+
+
+def _stats(kube: Kube, namespace: str, pod: str) -> dict[str, dict[str, int]]:
+    """Every stats file in the pod's stats directory: file name -> its counters."""
+    out = kube.kubectl(
+        "exec", "-n", namespace, pod, "--", "sh", "-c",
+        f'for f in {STATS_DIR}/ep-*.json; do [ -f "$f" ] && echo "$f $(cat "$f")"; done; true',
+    ).stdout  # fmt: skip
+    files: dict[str, dict[str, int]] = {}
+    for line in out.splitlines():
+        name, _, doc = line.partition(" ")
+        if doc.startswith("{"):
+            files[name] = json.loads(doc)["counters"]
+    return files
+
+
+def _new_bytes(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]) -> int:
+    """Payload bytes received by the endpoints that appeared (or grew) since `before`."""
+    return sum(
+        c["bytes_rcvd"] - before.get(name, {}).get("bytes_rcvd", 0) for name, c in after.items()
+    )
+
+
+def _run_pair(
+    kube: Kube,
+    namespace: str,
+    server: tuple[str, str],
+    client: tuple[str, str],
+    ready: str,
+    timeout: float,
+) -> tuple[str, str, int, int]:
+    """Start `server` (pod, script), wait until `ready` (a shell test) holds in its pod, run
+    `client`; both outputs and exit codes. Both are bounded by `timeout`."""
+    srv = subprocess.Popen(
+        _pod_sh(kube, namespace, server[0], f"exec timeout {timeout:.0f} {server[1]}"),
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while kube.kubectl("exec", "-n", namespace, server[0], "--", "sh", "-c", ready,
+                           check=False).returncode != 0:  # fmt: skip
+            if srv.poll() is not None or time.monotonic() > deadline:
+                out = srv.communicate()[0] if srv.poll() is not None else "(still running)"
+                raise AssertionError(f"{server[0]}: {server[1]!r} did not get ready: {out}")
+            time.sleep(1)
+        cl = subprocess.run(
+            _pod_sh(kube, namespace, client[0], f"exec timeout {timeout:.0f} {client[1]}"),
+            capture_output=True, text=True, timeout=timeout + 30, check=False,
+        )  # fmt: skip
+        srv_out, _ = srv.communicate(timeout=60)
+        return srv_out, cl.stdout + cl.stderr, srv.returncode, cl.returncode
+    finally:
+        if srv.poll() is None:
+            srv.kill()
+            srv.wait()
+
+
+def pod_clients(
+    kube: Kube, namespace: str, pods: tuple[str, str], ips: tuple[str, str], label: str
+) -> list[str]:
+    """Clients we did not write, between the pods, with nothing but the environment the
+    admission and the device plugin gave them: Debian's fi_pingpong through the provider
+    (data checked) and the NCCL net plugin's conformance harness (two ranks, every byte
+    checked). Each must pass AND the pods' metaroce stats must show the bytes: libfabric
+    and NCCL both fall back silently to other transports. Returns figure lines."""
+    a, b = pods
+    figures = []
+    before = (_stats(kube, namespace, a), _stats(kube, namespace, b))
+    t0 = time.monotonic()
+    iters, size = 100, 65536
+    pp = f"fi_pingpong -p metaroce -e rdm -m tagged -c -S {size} -I {iters} -B {PINGPONG_PORT}"
+    srv_out, cl_out, srv_rc, cl_rc = _run_pair(
+        kube, namespace, (b, pp), (a, f"{pp} -P {PINGPONG_PORT} {ips[1]}"),
+        f"ss -ltn | grep -q ':{PINGPONG_PORT} '", 300,
+    )  # fmt: skip
+    assert cl_rc == 0 and srv_rc == 0, f"fi_pingpong ({label}):\n{cl_out}\nserver:\n{srv_out}"
+    rows = [r.split() for r in cl_out.splitlines() if r.split()[:1] and r[0].isdigit()]
+    # "#sent" == "#ack": every message came back, and -c found no corrupted byte
+    assert len(rows) == 1 and rows[0][2].startswith("="), cl_out
+    after = (_stats(kube, namespace, a), _stats(kube, namespace, b))
+    carried = [_new_bytes(x, y) for x, y in zip(before, after, strict=True)]
+    assert min(carried) >= iters * size, ("fi_pingpong bytes not on metaroce", carried)
+    figures.append(
+        f"fi_pingpong -p metaroce between the pods ({label}): {iters} x {size} B each way, "
+        f"data checked, {time.monotonic() - t0:.1f} s; metaroce received {carried} B"
+    )
+
+    before = after
+    t0 = time.monotonic()
+    check = f'LD_LIBRARY_PATH="$MR_LIB_DIR" {MR_BIN}/nccl-net-check --version 12 --bulk-mib 4'
+    boot = f"--bootstrap {ips[0]}:{NCCL_BOOTSTRAP_PORT}"
+    r0, r1, rc0, rc1 = _run_pair(
+        kube, namespace, (a, f"{check} --rank 0 {boot}"), (b, f"{check} --rank 1 {boot}"),
+        f"ss -ltn | grep -q ':{NCCL_BOOTSTRAP_PORT} '", 300,
+    )  # fmt: skip
+    assert rc0 == 0 and rc1 == 0, f"nccl-net-check ({label}):\nrank 0:\n{r0}\nrank 1:\n{r1}"
+    assert "ALL OK" in r0 and "ALL OK" in r1, (r0, r1)
+    after = (_stats(kube, namespace, a), _stats(kube, namespace, b))
+    carried = [_new_bytes(x, y) for x, y in zip(before, after, strict=True)]
+    assert min(carried) >= 4 << 20, ("NCCL harness bytes not on metaroce", carried)
+    figures.append(
+        f"NCCL net plugin conformance harness (v12) between the pods ({label}): ALL OK, "
+        f"{time.monotonic() - t0:.1f} s; metaroce received {carried} B"
+    )
+    return figures

@@ -41,6 +41,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,7 @@ from conftest import REPO_ROOT, Kube
 from metaroce_api import constants
 from metaroce_harness import chart
 from metaroce_harness.cluster import ensure_binaries
+from metaroce_harness.guest_transport import clear_qdisc, set_netem
 from metaroce_harness.guests import GuestTimeoutError
 
 sys.path.insert(0, str(REPO_ROOT / "tests" / "e2e"))
@@ -751,6 +753,9 @@ def _metaroce_network() -> str:
                 "qos": {"profile": "lossy", "data": {"dscp": MR_DSCP, "priority": 4}},
                 "attachment": {"resourceName": MR_RESOURCE, "podsPerDevice": 4},
                 "health": {"probe": {"enabled": False}},
+                # the ToS check takes the node-level marking away on purpose: no drift
+                # pass may put it back while the capture runs
+                "agent": {"driftInterval": "1h"},
                 "cleanupOnDelete": True,
             },
         }
@@ -796,6 +801,74 @@ def _print_revert_state(kube: Kube) -> None:
         name = pod["metadata"]["name"]
         logs = kube.kubectl("logs", "-n", NAMESPACE, name, "-c", "agent", "--tail=60", check=False)
         print(f"--- agent {name} ({pod['spec'].get('nodeName')}):\n{logs.stdout}{logs.stderr}")
+
+
+def _tos_and_agent_restart(
+    kube: Kube, guests: Any, pods: tuple[str, str], ips: tuple[str, str]
+) -> list[str]:
+    """ToS on the wire with the node-level marking off, then the sending node's agent pod
+    restarted during a transfer. The library sets the network's DSCP on its own sockets,
+    so with the agent's tc marking gone from node-1 the receiving node still sees it (ECN
+    bits masked: the transport sets ECT). Deleting the agent pod mid-transfer must not cut
+    the pods' traffic (the data plane is in the job's process), and the new agent puts
+    the marking back, reports Ready and exports the pods' counters again."""
+    figures = []
+    sender, receiver = guests[0], guests[1]
+    ports = f"{MR_PORTS[0]}-{MR_PORTS[1]}"
+    filters = sender.run("tc -j filter show dev eth0 egress", check=True).stdout
+    prefs = sorted({f["pref"] for f in json.loads(filters) if f.get("kind") == "flower"})
+    assert prefs, filters
+    for pref in prefs:
+        sender.run(f"tc filter del dev eth0 egress pref {pref}", check=True)
+    assert ports not in sender.run("tc filter show dev eth0 egress", check=True).stdout
+    match = ["udp", "and", "src", "host", ips[0], "and", "portrange", ports]
+    dump = receiver.start(["tcpdump", "-n", "-v", "-l", "-i", "eth0", "-c", "200", *match])
+    time.sleep(2)  # tcpdump listening
+    pod_transport.pod_perf(kube, MR_POD_NAMESPACE, pods, ips, seconds=2, size=65536)
+    out = dump.kill().stdout
+    tos = [int(t, 16) for t in re.findall(r"\btos (0x[0-9a-f]+)", out)]
+    assert len(tos) >= 50, out[-2000:]
+    assert {t & 0xFC for t in tos} == {MR_DSCP << 2}, sorted(set(tos))
+    figures.append(
+        f"ToS of {len(tos)} metaroce packets from pod {pods[0]} seen on {receiver.name} with "
+        f"{sender.name}'s marking off: {sorted({hex(t) for t in tos})} (DSCP {MR_DSCP}, ECT)"
+    )
+
+    agent = next(p for p in _mr_agents(kube) if p["spec"]["nodeName"] == kube.nodes[0])
+    before = _transport_metric(kube, kube.nodes[0], "bytes_sent", pods[0])
+    with ThreadPoolExecutor(1) as pool:
+        run = pool.submit(
+            pod_transport.pod_perf, kube, MR_POD_NAMESPACE, pods, ips, seconds=30, size=65536
+        )
+        time.sleep(8)
+        assert not run.done(), "the transfer ended before the agent restart"
+        kube.kubectl("delete", "pod", "-n", NAMESPACE, agent["metadata"]["name"], "--wait=false")
+        result = run.result(timeout=240)
+    assert result["messages"] > 0 and len(result["paths"]) == 4, result
+    figures.append(
+        f"metaroce-perf across the restart of {kube.nodes[0]}'s agent pod (30 s): "
+        f"{result['goodput_mbit']} Mbit/s, {result['retransmits']} retransmits, completed"
+    )
+
+    def back() -> bool:
+        new = [p for p in _mr_agents(kube) if p["spec"]["nodeName"] == kube.nodes[0]]
+        fresh = [p for p in new if p["metadata"]["name"] != agent["metadata"]["name"]]
+        return (
+            bool(fresh)
+            and all(_ready(p) for p in fresh)
+            and _mr_ready_nodes(kube) == sorted(kube.nodes[:2])
+        )
+
+    took = _wait("the restarted agent Ready", back, 300)
+    shown = sender.run("tc filter show dev eth0 egress", check=True).stdout
+    assert shown.count(ports) == 2, shown  # its marking is back (dst and src port)
+    _wait(
+        "the pods' counters exported again by the new agent",
+        lambda: _transport_metric(kube, kube.nodes[0], "bytes_sent", pods[0]) > before,
+        120,
+    )
+    figures.append(f"the restarted agent Ready {took:.1f} s after, marking back, export resumed")
+    return figures
 
 
 def test_5_metaroce_network_rolls_out_and_pods_get_the_library(
@@ -913,6 +986,11 @@ def test_5_metaroce_network_rolls_out_and_pods_get_the_library(
         took = _wait("the pods' transport counters in the agents' /metrics", exported, 60, 2)
         figures.append(f"metaroce: the pods' stats exported by the agents {took:.1f} s after")
         assert received >= result["bytes"], (received, result)
+        figures.extend(
+            pod_transport.pod_clients(kube, MR_POD_NAMESPACE, names, (ip_a, ip_b), "lossless")
+        )
+        if real is not None and real.guests is not None:
+            figures.extend(_tos_and_agent_restart(kube, real.guests, names, (ip_a, ip_b)))
 
         if real is None or real.guests is None:
             figures.append("metaroce under netem loss, rxe beside it, pod / node: not run "
@@ -934,6 +1012,15 @@ def test_5_metaroce_network_rolls_out_and_pods_get_the_library(
             assert ratio >= 0.4, (ratio, arms.runs)
             pod_node = arms.paired_ratio("pod 0%", "node 0%")
             assert pod_node >= 0.3, (pod_node, arms.runs)
+            try:  # the real clients again, under 1% loss each way (netem on both nodes)
+                for g in real.guests[:2]:
+                    set_netem(g, 1.0, pod_transport.NETEM_DELAY_MS)
+                figures.extend(pod_transport.pod_clients(
+                    kube, MR_POD_NAMESPACE, names, (ip_a, ip_b), "1% netem loss"
+                ))  # fmt: skip
+            finally:
+                for g in real.guests[:2]:
+                    clear_qdisc(g)
 
         if real is not None and real.guests is not None:
             # a version no pod holds goes once an agent passes again (here: a rollout); the
