@@ -139,7 +139,7 @@ uint64_t mr_max_msg_size(void);
 struct mr_counters {
   uint64_t pkts_sent, pkts_rcvd, bytes_sent, bytes_rcvd; /* payload bytes */
   uint64_t msgs_sent, msgs_rcvd;
-  uint64_t retransmits;      /* packets resent after a loss or timeout */
+  uint64_t retransmits;      /* data copies sent again: loss resends and tail-loss probes */
   uint64_t dup_rcvd;         /* duplicates seen by this receiver: spurious retransmits of the peer */
   uint64_t sack_holes;       /* gaps reported by SACK */
   uint64_t ce_rcvd;          /* CE-marked packets received */

@@ -1081,6 +1081,11 @@ impl Connection {
             }
             self.probes.pop_front();
             let is_retx = f != Frame::Ping;
+            if is_retx {
+                // A tail-loss probe is a copy sent again like any resend: counted as one, so
+                // the receiver's duplicates (`dup_rcvd`) are always a share of `retransmits`.
+                out.counters.retransmits += 1;
+            }
             return Some(self.write_frame(now, buf, f, path as usize, is_retx, out));
         }
         while let Some(&f) = self.ctrl.front() {

@@ -13,6 +13,7 @@ pub struct Counters {
     pub msgs_rcvd: u64,
     pub acks_sent: u64,
     pub acks_rcvd: u64,
+    /// Data copies sent again: loss resends and tail-loss probes (`tlps` counts the latter).
     pub retransmits: u64,
     /// Duplicates this receiver saw: the peer's spurious retransmits.
     pub dup_rcvd: u64,
