@@ -65,6 +65,16 @@ static void fail(const char *fmt, ...) {
   exit(1);
 }
 
+/* The watchdog's message: which rank, after how long. Only async-signal-safe calls. */
+static char alarm_msg[96];
+static size_t alarm_len;
+
+static void on_alarm(int sig) {
+  (void)sig;
+  if (write(STDOUT_FILENO, alarm_msg, alarm_len) < 0) _exit(2);
+  _exit(1);
+}
+
 static void ok(const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
@@ -763,7 +773,12 @@ int main(int argc, char **argv) {
     return 2;
   }
   signal(SIGALRM, SIG_DFL);
-  alarm((unsigned)timeout); /* a hang is a failure, not a stuck CI job */
+  /* a hang is a failure, not a stuck CI job; it says so, after the last step that held */
+  alarm_len = (size_t)snprintf(alarm_msg, sizeof alarm_msg,
+                               "FAIL rank %d: timed out after %d s (--timeout)\n", rank, timeout);
+  if (alarm_len >= sizeof alarm_msg) alarm_len = sizeof alarm_msg - 1;
+  signal(SIGALRM, on_alarm);
+  alarm((unsigned)timeout);
   int me = rank, peer = 1 - rank;
 
   if (replay_path != NULL && !version_given) { /* the version the recorded NCCL loaded */
