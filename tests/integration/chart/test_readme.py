@@ -55,7 +55,12 @@ def quickstart_commands() -> list[list[str]]:
 def test_the_quick_start_install_runs_on_the_real_apiserver(cluster: LocalCluster) -> None:
     """The README's install commands, run as written (kubectl and helm against the local
     control plane; only the operator's pods are kept off kwok's fake nodes), install the
-    chart into the user's namespace under the user's release name."""
+    chart into the user's namespace under the user's release name, CRDs included.
+
+    The session's cluster is not fresh: other modules applied the CRDs or installed
+    releases that own them, so `--take-ownership` makes them this release's as a fresh
+    cluster's install would (tests/integration/chart/test_chart_namespaces.py checks the
+    path without it)."""
     commands = quickstart_commands()
     assert [c[0] for c in commands] == ["kubectl", "kubectl", "helm"], commands
     install = commands[-1]
@@ -66,7 +71,7 @@ def test_the_quick_start_install_runs_on_the_real_apiserver(cluster: LocalCluste
             if argv[0] == "kubectl":
                 cluster.kubectl(*argv[1:])
             else:
-                extra = chart.set_flags(chart.HOST_OPERATOR_VALUES)
+                extra = [*chart.set_flags(chart.HOST_OPERATOR_VALUES), "--take-ownership"]
                 args = [str(chart.CHART_DIR) if a == "charts/metaroce" else a for a in argv[1:]]
                 cluster.helm(*args, *extra, "--wait=false")
         got = cluster.kubectl(
@@ -79,6 +84,11 @@ def test_the_quick_start_install_runs_on_the_real_apiserver(cluster: LocalCluste
             f"--namespace={namespace}"
             in deploy["spec"]["template"]["spec"]["containers"][0]["args"]
         )
+        for crd in ("metarocenetworks.metaroce.io", "metarocenodestates.metaroce.io"):
+            got = cluster.kubectl("get", "crd", crd, "-o", "json")
+            annotations = json.loads(got.stdout)["metadata"]["annotations"]
+            assert annotations["meta.helm.sh/release-name"] == release
+            assert annotations["meta.helm.sh/release-namespace"] == namespace
     finally:
         cluster.helm("uninstall", release, "-n", namespace, "--wait=false", check=False)
         cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
