@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import re
 import secrets
 import shutil
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -465,6 +467,24 @@ def test_install_makes_crds_webhooks_and_rbac(cluster: LocalCluster, release: Re
     assert not release.can(sa, "patch", "mutatingwebhookconfigurations/someone-elses")
     assert not release.can(sa, "escalate", "clusterroles")
     assert not release.can(sa, "bind", "clusterroles")
+
+
+def test_metaroce_version_finds_the_release_s_operator(
+    cluster: LocalCluster, release: Release
+) -> None:
+    """Issue 17: `metaroce version` as a user runs it, against the apiserver: the CLI's own
+    version and the installed operator Deployment's namespace, name, image and version."""
+    env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}
+    done = subprocess.run(
+        [sys.executable, "-m", "metaroce_cli.main", "version"],
+        env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("metaroce 0."), lines
+    image = f"ghcr.io/metaroce/metaroce-operator:{VERSION}"
+    mine = f"operator: {release.namespace}/{release.fullname} image {image} (app version {VERSION})"
+    assert mine in lines, lines
 
 
 def test_operator_with_chart_credentials_reconciles_the_sample(
