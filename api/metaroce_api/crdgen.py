@@ -324,10 +324,16 @@ def generate() -> dict[str, str]:
     return {filename(obj): to_yaml(obj) for obj in (network_crd(), nodestate_crd())}
 
 
+CHART_CRD_DIR = Path("charts") / "metaroce" / "files" / "crds"
+"""Where the chart keeps its copy: not the chart's `crds/`, which Helm installs on its own
+(no values switch, never upgraded); `templates/crds.yaml` renders these files when
+`crds.install` is true."""
+
+
 def default_dirs(root: Path | None = None) -> list[Path]:
-    """`crds/` and `charts/metaroce/crds/` of the repository."""
+    """`crds/` (for `kubectl apply`) and the chart's copy, of the repository."""
     root = root or Path(__file__).resolve().parents[2]
-    return [root / "crds", root / "charts" / "metaroce" / "crds"]
+    return [root / "crds", root / CHART_CRD_DIR]
 
 
 def write(dirs: Iterable[Path] | None = None) -> list[Path]:

@@ -169,17 +169,28 @@ def install(cluster: LocalCluster, release: str, namespace: str) -> None:
 
 
 def start_host_operator(
-    cluster: LocalCluster, release: str, namespace: str, workdir: Path, *, timeout: float = 120.0
+    cluster: LocalCluster,
+    release: str,
+    namespace: str,
+    workdir: Path,
+    *,
+    timeout: float = 120.0,
+    values: Mapping[str, Any] = {},
 ) -> Component:
     """Run the installed release's operator as its pod would, in the pod network, and
     return once it leads and has published its webhook CA (the webhooks are served).
 
     Exactly the chart's arguments, the chart ServiceAccount's token, and the chart's
-    webhook Service routed to the process (EndpointSlice to the pod network)."""
+    webhook Service routed to the process (EndpointSlice to the pod network). `values`:
+    those the release was installed with that change its objects' names
+    (fullnameOverride)."""
     net = cluster.pod_network
     if net is None:
         raise HarnessError("the cluster is not started")
-    docs = render(cluster, release, {"namespace": {"name": namespace}})
+    docs = render(cluster, release, {"namespace": {"name": namespace}, **values})
+    # The chart's fullname (the ServiceAccount's and the webhook Service's name): the
+    # release name when it says metaroce, else <release>-metaroce or fullnameOverride.
+    fullname = find(docs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"]
     args = operator_args(docs)
     configs = [
         (d["kind"].lower(), d["metadata"]["name"])
@@ -187,14 +198,14 @@ def start_host_operator(
         if d.get("kind") in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration")
     ]
     kubeconfig = token_kubeconfig(
-        cluster, namespace, release, workdir / "operator.kubeconfig",
+        cluster, namespace, fullname, workdir / "operator.kubeconfig",
         server=f"https://{net.host_ip}:{cluster.api_port}",
     )  # fmt: skip
     port = int(next(a for a in args if a.startswith("--webhook-port=")).split("=")[1])
-    route_service_to_pod_network(cluster, namespace, f"{release}-webhook", "https", port)
+    route_service_to_pod_network(cluster, namespace, f"{fullname}-webhook", "https", port)
     env = [
         f"KUBECONFIG={kubeconfig}",
-        f"POD_NAME={release}-host-0",
+        f"POD_NAME={fullname}-host-0",
         f"POD_NAMESPACE={namespace}",
         "PYTHONUNBUFFERED=1",
     ]

@@ -97,7 +97,7 @@ class Demo:
     # -- the steps ------------------------------------------------------------------------
 
     def install_chart(self) -> None:
-        t = step(f"helm install {RELEASE} charts/metaroce (CRDs from crds/, namespace {NAMESPACE})")
+        t = step(f"helm install {RELEASE} charts/metaroce (with its CRDs, namespace {NAMESPACE})")
         chart.install(self.cluster, RELEASE, NAMESPACE)
         done(t)
 

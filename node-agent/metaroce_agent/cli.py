@@ -36,6 +36,20 @@ class UsageError(ValueError):
     pass
 
 
+def describe_error(exc: BaseException) -> str:
+    """`exc` with its type and every cause it was raised from: a start-up error names what
+    failed and why (`KeyError: 'server'` alone says neither)."""
+    parts: list[str] = []
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        parts.append(f"{type(current).__name__}: {current}")
+        implicit = None if current.__suppress_context__ else current.__context__
+        current = current.__cause__ or implicit
+    return "; caused by ".join(parts)
+
+
 def _parse_port(flag: str, text: str, *, allow_zero: bool) -> int:
     low = 0 if allow_zero else 1
     try:
@@ -187,7 +201,7 @@ def run_main(argv: list[str]) -> int:
     try:
         agent = Agent(options)
     except Exception as e:
-        log.error("cannot start the agent: %s", e)
+        log.error("cannot start the agent: %s", describe_error(e))
         return 1
     if args.revert:
         agent.revert()

@@ -73,21 +73,30 @@ class KubeClient:
         if cluster is None:
             raise KubeError(0, f"kubeconfig {path} has no cluster")
         user = users.get(context.get("user"), {})
+        if not cluster.get("server"):
+            raise KubeError(0, f"kubeconfig {path}: its cluster has no server (https://HOST:PORT)")
         base = Path(path).parent
         ssl_ctx = ssl.create_default_context()
-        if cluster.get("insecure-skip-tls-verify"):
-            ssl_ctx.check_hostname = False
-            ssl_ctx.verify_mode = ssl.CERT_NONE
-        elif cluster.get("certificate-authority-data"):
-            ssl_ctx.load_verify_locations(
-                cadata=base64.b64decode(cluster["certificate-authority-data"]).decode()
-            )
-        elif cluster.get("certificate-authority"):
-            ssl_ctx.load_verify_locations(cafile=str(base / cluster["certificate-authority"]))
-        cert = _material(user, "client-certificate", base)
-        key = _material(user, "client-key", base)
-        if cert and key:
-            _load_chain(ssl_ctx, cert, key)
+        try:
+            if cluster.get("insecure-skip-tls-verify"):
+                ssl_ctx.check_hostname = False
+                ssl_ctx.verify_mode = ssl.CERT_NONE
+            elif cluster.get("certificate-authority-data"):
+                ssl_ctx.load_verify_locations(
+                    cadata=base64.b64decode(cluster["certificate-authority-data"]).decode()
+                )
+            elif cluster.get("certificate-authority"):
+                ssl_ctx.load_verify_locations(cafile=str(base / cluster["certificate-authority"]))
+            cert = _material(user, "client-certificate", base)
+            key = _material(user, "client-key", base)
+            if cert and key:
+                _load_chain(ssl_ctx, cert, key)
+        except (OSError, ValueError) as e:  # ssl.SSLError is an OSError
+            # ssl's own errors name no file: say which kubeconfig and which entry.
+            ca = cluster.get("certificate-authority") or "certificate-authority-data"
+            raise KubeError(
+                0, f"kubeconfig {path}: cannot load its CA ({ca}) or client certificate: {e}"
+            ) from e
         host, port = _split_server(cluster["server"])
         token = user.get("token")
         token_file = Path(user["tokenFile"]) if user.get("tokenFile") else None

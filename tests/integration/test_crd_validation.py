@@ -399,6 +399,6 @@ def test_nodestate_is_written_whole_in_one_request(kube: Any) -> None:
 
 
 def test_crds_in_the_chart_are_the_same_files() -> None:
-    chart = CRD_DIR.parent / "charts" / "metaroce" / "crds"
+    chart = CRD_DIR.parent / "charts" / "metaroce" / "files" / "crds"
     for path in sorted(CRD_DIR.glob("*.yaml")):
         assert yaml.safe_load(path.read_text()) == yaml.safe_load((chart / path.name).read_text())

@@ -16,6 +16,8 @@ meanwhile takes its policy with it (ownerReferences + the garbage collector).
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -142,6 +144,42 @@ def test_a_mutated_pod_created_again_is_unchanged(running: ModeEnv) -> None:
     assert second is not None, refusal
     assert containers(second) == containers(first)
     assert second["metadata"]["annotations"] == first["metadata"]["annotations"]
+
+
+def _what_admission_sets(pod: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per container: env, limits, added capabilities (what the mutation is about)."""
+    return [
+        {
+            "env": {e["name"]: e.get("value") for e in ctr.get("env") or []},
+            "limits": (ctr.get("resources") or {}).get("limits") or {},
+            "add": ((ctr.get("securityContext") or {}).get("capabilities") or {}).get("add"),
+        }
+        for ctr in pod["spec"]["containers"]
+    ]
+
+
+def test_inject_dry_run_shows_what_admission_does(running: ModeEnv) -> None:
+    """Issue 17: `metaroce inject --dry-run -f pod.yaml`, reading the networks and the
+    namespace from the cluster as a user runs it, predicts the containers the apiserver
+    stores, with the webhook and with the policies alike (two networks, a sidecar)."""
+    import jsonpatch  # type: ignore[import-untyped]
+
+    names = running.names
+    ns = running.namespaces["privileged"]
+    pod = pod_manifest("preview", f"{names.fe},{names.be}")
+    pod["spec"]["containers"].append({"name": "sidecar", "image": "registry.invalid/log:1"})
+    done = subprocess.run(
+        [sys.executable, "-m", "metaroce_cli.main", "inject", "--dry-run", "-f", "-",
+         "--namespace", ns],
+        input=json.dumps(pod), env={**os.environ, "KUBECONFIG": str(running.cluster.kubeconfig)},
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    predicted = jsonpatch.apply_patch(pod, json.loads(done.stdout))
+    stored, refusal = running.create(pod, ns)
+    assert stored is not None, refusal
+    assert _what_admission_sets(predicted) == _what_admission_sets(stored)
+    assert _what_admission_sets(stored)[0]["limits"]  # it did inject
 
 
 def test_operator_stopped(running: ModeEnv) -> None:

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import re
 import secrets
+import shutil
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +26,7 @@ import pytest
 import yaml
 
 from metaroce_api import constants as c
+from metaroce_api import crdgen
 from metaroce_harness import chart
 from metaroce_harness.cluster import LocalCluster, free_port
 from metaroce_harness.polling import wait_for
@@ -156,6 +160,51 @@ def test_one_namespace_is_privileged_and_holds_everything(cluster: LocalCluster)
     for doc in docs:
         ns = doc["metadata"].get("namespace")
         assert ns in (None, "metaroce-system"), f"{doc['kind']} {doc['metadata']['name']} in {ns}"
+
+
+KEEP = {"helm.sh/resource-policy": "keep"}
+
+
+def _crds(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == "CustomResourceDefinition"}
+
+
+def test_the_chart_renders_exactly_the_generated_crds(cluster: LocalCluster) -> None:
+    """The chart's CRDs are the models' (files/crds/ read as data, not templated): nothing
+    but the chart's labels and the keep policy is added on the way through the template."""
+    rendered = _crds(chart.render(cluster, "metaroce", {}))
+    generated = {
+        doc["metadata"]["name"]: doc for doc in map(yaml.safe_load, crdgen.generate().values())
+    }
+    assert rendered.keys() == generated.keys() == {c.NETWORK_CRD_NAME, c.NODESTATE_CRD_NAME}
+    for name, crd in rendered.items():
+        meta = crd["metadata"]
+        assert meta.pop("annotations") == KEEP
+        labels = meta.pop("labels")
+        assert generated[name]["metadata"].pop("labels").items() <= labels.items()
+        assert labels["app.kubernetes.io/instance"] == "metaroce"
+        assert labels["app.kubernetes.io/managed-by"] == "Helm"
+        assert crd == generated[name], name
+
+
+@pytest.mark.parametrize(
+    ("crds", "names", "annotations"),
+    [
+        ({"install": False}, set(), None),
+        ({"install": False, "keep": False}, set(), None),
+        ({"keep": False}, {c.NETWORK_CRD_NAME, c.NODESTATE_CRD_NAME}, {}),
+    ],
+    ids=["install-false", "install-false-keep-false", "keep-false"],
+)
+def test_the_crd_values(
+    cluster: LocalCluster, crds: dict[str, bool], names: set[str], annotations: Any
+) -> None:
+    docs = chart.render(cluster, "metaroce", {"crds": crds})
+    rendered = _crds(docs)
+    assert set(rendered) == names
+    for crd in rendered.values():
+        assert crd["metadata"].get("annotations", {}) == annotations
+    chart.find(docs, "Deployment")  # the rest of the chart does not depend on them
 
 
 @pytest.mark.parametrize(
@@ -306,13 +355,15 @@ class Release:
         self.operator: OperatorProcess | None = None
         self.webhook_port = free_port()
 
-    def helm(self, verb: str, values: dict[str, Any], *extra: str) -> str:
+    def helm(
+        self, verb: str, values: dict[str, Any], *extra: str, chart_dir: Path = chart.CHART_DIR
+    ) -> str:
         # The operator runs on the host (start_operator): its pods must not be "Ready".
         base = {"namespace": {"name": self.namespace}, **chart.HOST_OPERATOR_VALUES}
         merged = {**base, **values}
         merged["operator"] = {**base["operator"], **values.get("operator", {})}
         return self.cluster.helm(
-            verb, self.name, str(chart.CHART_DIR), "-n", "default", "--wait=false",
+            verb, self.name, str(chart_dir), "-n", "default", "--wait=false",
             *chart.set_flags(merged), *extra,
         ).stdout  # fmt: skip
 
@@ -358,8 +409,10 @@ class Release:
 @pytest.fixture(scope="module")
 def release(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Release]:
     rel = Release(cluster, tmp_path_factory.mktemp("chart"))
-    out = rel.helm("install", {})
-    assert "kubectl apply --server-side -f crds/" in out  # NOTES: the next commands
+    # The session's CRDs may exist already, applied with kubectl by earlier modules (as an
+    # earlier chart's crds/ folder would have left them): adopt them, as the README says.
+    out = rel.helm("install", {}, "--take-ownership")
+    assert "`helm upgrade` upgrades them too" in out  # NOTES: the next commands
     try:
         yield rel
     finally:
@@ -374,6 +427,10 @@ def test_install_makes_crds_webhooks_and_rbac(cluster: LocalCluster, release: Re
         "wait", "--for=condition=Established", "--timeout=60s",
         f"crd/{c.NETWORK_CRD_NAME}", f"crd/{c.NODESTATE_CRD_NAME}",
     )  # fmt: skip
+    for name in (c.NETWORK_CRD_NAME, c.NODESTATE_CRD_NAME):
+        meta = get_json(cluster, "crd", name)["metadata"]
+        assert meta["annotations"]["meta.helm.sh/release-name"] == release.name
+        assert meta["annotations"]["helm.sh/resource-policy"] == "keep"
     # The cluster serves MutatingAdmissionPolicy: helm install picked the policy mode, so
     # the pods' refusals are the chart's ValidatingAdmissionPolicy and no pod webhook is
     # configured (never both).
@@ -410,6 +467,24 @@ def test_install_makes_crds_webhooks_and_rbac(cluster: LocalCluster, release: Re
     assert not release.can(sa, "patch", "mutatingwebhookconfigurations/someone-elses")
     assert not release.can(sa, "escalate", "clusterroles")
     assert not release.can(sa, "bind", "clusterroles")
+
+
+def test_metaroce_version_finds_the_release_s_operator(
+    cluster: LocalCluster, release: Release
+) -> None:
+    """Issue 17: `metaroce version` as a user runs it, against the apiserver: the CLI's own
+    version and the installed operator Deployment's namespace, name, image and version."""
+    env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}
+    done = subprocess.run(
+        [sys.executable, "-m", "metaroce_cli.main", "version"],
+        env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("metaroce 0."), lines
+    image = f"ghcr.io/metaroce/metaroce-operator:{VERSION}"
+    mine = f"operator: {release.namespace}/{release.fullname} image {image} (app version {VERSION})"
+    assert mine in lines, lines
 
 
 def test_operator_with_chart_credentials_reconciles_the_sample(
@@ -502,26 +577,38 @@ def _assert_probe_key(cluster: LocalCluster, ns: str, network: str, log: str) ->
     assert key not in log and secret["data"]["key"] not in log
 
 
-def test_upgrade_path_crds_first_then_helm_upgrade(
+def _with_column(crd_text: str, column: str) -> str:
+    crd = yaml.safe_load(crd_text)
+    cols = crd["spec"]["versions"][0].setdefault("additionalPrinterColumns", [])
+    cols.append({"name": column, "type": "string", "jsonPath": ".spec.node"})
+    return yaml.safe_dump(crd)
+
+
+def _columns(cluster: LocalCluster, crd: str) -> list[str]:
+    live = get_json(cluster, "crd", crd)
+    return [col["name"] for col in live["spec"]["versions"][0]["additionalPrinterColumns"]]
+
+
+def test_helm_upgrade_upgrades_the_crds_and_keeps_them_when_switched_off(
     cluster: LocalCluster, release: Release, tmp_path: Path
 ) -> None:
-    # A changed CRD (a new printer column), applied the documented way.
-    crd_path = chart.CRD_DIR / "metaroce.io_metarocenodestates.yaml"
-    crd = yaml.safe_load(crd_path.read_text())
-    cols = crd["spec"]["versions"][0].setdefault("additionalPrinterColumns", [])
-    cols.append({"name": "Upgraded", "type": "string", "jsonPath": ".spec.node"})
-    changed = tmp_path / "crds"
-    changed.mkdir()
-    (changed / crd_path.name).write_text(yaml.safe_dump(crd))
+    """The two documented upgrade paths: with crds.install (the default) `helm upgrade`
+    brings a changed CRD itself; an upgrade to crds.install=false leaves the CRDs (keep),
+    and then `kubectl apply --server-side -f crds/` before `helm upgrade` brings them."""
+    # A chart whose CRD changed (a new printer column), as the next version would be.
+    next_chart = tmp_path / "metaroce"
+    shutil.copytree(chart.CHART_DIR, next_chart)
+    name = crdgen.filename(crdgen.nodestate_crd())
+    copy = next_chart / crdgen.CHART_CRD_DIR.relative_to("charts/metaroce") / name
+    copy.write_text(_with_column(copy.read_text(), "Upgraded"))
+    uid = get_json(cluster, "crd", c.NODESTATE_CRD_NAME)["metadata"]["uid"]
+    networks = cluster.kubectl("get", c.NETWORK_PLURAL, "-o", "name").stdout.split()
     try:
-        cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(changed))
-        live = json.loads(cluster.kubectl("get", "crd", c.NODESTATE_CRD_NAME, "-o", "json").stdout)
-        assert "Upgraded" in [
-            col["name"] for col in live["spec"]["versions"][0]["additionalPrinterColumns"]
-        ]
         release.helm(
-            "upgrade", {"webhook": {"timeoutSeconds": 7}, "operator": {"logLevel": "debug"}}
-        )
+            "upgrade", {"webhook": {"timeoutSeconds": 7}, "operator": {"logLevel": "debug"}},
+            chart_dir=next_chart,
+        )  # fmt: skip
+        assert "Upgraded" in _columns(cluster, c.NODESTATE_CRD_NAME)
         hook = get_json(cluster, "validatingwebhookconfiguration", f"{release.fullname}-networks")
         assert hook["webhooks"][0]["timeoutSeconds"] == 7
         # The caBundle the leader wrote survives the upgrade (the chart never sets it, so
@@ -529,8 +616,31 @@ def test_upgrade_path_crds_first_then_helm_upgrade(
         assert hook["webhooks"][0]["clientConfig"].get("caBundle")
         deploy = get_json(cluster, "deployment", release.fullname, "-n", release.namespace)
         assert "--log-level=debug" in deploy["spec"]["template"]["spec"]["containers"][0]["args"]
+
+        # Switched off: Helm drops the CRDs from the release but keeps them, and with
+        # them every network (the sample the operator reconciled above).
+        release.helm("upgrade", {"crds": {"install": False}})
+        assert get_json(cluster, "crd", c.NODESTATE_CRD_NAME)["metadata"]["uid"] == uid
+        assert cluster.kubectl("get", c.NETWORK_PLURAL, "-o", "name").stdout.split() == networks
+        # ... and the kubectl path brings the next change (Helm's field manager still
+        # holds the fields it wrote: a takeover, as with any second manager).
+        changed = tmp_path / "crds"
+        changed.mkdir()
+        (changed / name).write_text(
+            _with_column((chart.CRD_DIR / name).read_text(), "AppliedByKubectl")
+        )
+        cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(changed))
+        release.helm("upgrade", {"crds": {"install": False}})
+        assert "AppliedByKubectl" in _columns(cluster, c.NODESTATE_CRD_NAME)
     finally:
-        cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(chart.CRD_DIR))
+        # Back to the chart's own CRDs, owned by the release (its annotations are still
+        # on them, so no takeover is needed).
+        release.helm("upgrade", {})
+    assert "Upgraded" not in _columns(cluster, c.NODESTATE_CRD_NAME)
+    assert get_json(cluster, "crd", c.NODESTATE_CRD_NAME)["metadata"]["uid"] == uid
+
+
+KEPT_CRDS = (c.NETWORK_CRD_NAME, c.NODESTATE_CRD_NAME)
 
 
 def test_uninstall_leaves_only_the_crds(cluster: LocalCluster, release: Release) -> None:
@@ -541,7 +651,9 @@ def test_uninstall_leaves_only_the_crds(cluster: LocalCluster, release: Release)
     cluster.kubectl("patch", c.NETWORK_PLURAL, name, "--type=merge", "-p",
                     '{"metadata":{"finalizers":null}}', check=False)  # fmt: skip
     cluster.kubectl("delete", c.NETWORK_PLURAL, name, "--ignore-not-found", "--timeout=60s")
-    cluster.helm("uninstall", release.name, "-n", "default", "--wait", "--timeout=120s")
+    uids = {crd: get_json(cluster, "crd", crd)["metadata"]["uid"] for crd in KEPT_CRDS}
+    out = cluster.helm("uninstall", release.name, "-n", "default", "--wait", "--timeout=120s")
+    assert "kept due to the resource policy" in out.stdout, out.stdout
     kinds = (
         "clusterroles,clusterrolebindings,mutatingwebhookconfigurations,"
         "validatingwebhookconfigurations"
@@ -567,5 +679,5 @@ def test_uninstall_leaves_only_the_crds(cluster: LocalCluster, release: Release)
         "get", "namespace", release.namespace, "-o", "jsonpath={.status.phase}", check=False
     )
     assert phase.returncode != 0 or phase.stdout == "Terminating"
-    for crd in (c.NETWORK_CRD_NAME, c.NODESTATE_CRD_NAME):
-        cluster.kubectl("get", "crd", crd)  # documented leftovers: the CRDs
+    # The documented leftovers: the release's CRDs, the same objects (keep), not re-made.
+    assert {crd: get_json(cluster, "crd", crd)["metadata"]["uid"] for crd in KEPT_CRDS} == uids

@@ -2,8 +2,9 @@
 
 `helm install <any name> -n <ns> --create-namespace` on the real apiserver: the chart
 follows the release namespace (no Namespace object of its own to clash with Helm's),
-`fullnameOverride` names the cluster-scoped objects, `--skip-crds` installs over CRDs
-applied with kubectl, a namespace whose Pod Security level refuses the agents is refused
+`fullnameOverride` names the cluster-scoped objects, `crds.install=false` installs over
+CRDs applied with kubectl, CRDs no release owns stop an install until `--take-ownership`
+adopts them, a namespace whose Pod Security level refuses the agents is refused
 with the command that fixes it, and the chart's agent values (tolerations, priority
 class, kubelet root, pod labels and annotations, a registry mirror and a digest, pull
 secrets) reach the DaemonSet the real operator renders with the chart's arguments."""
@@ -145,7 +146,7 @@ def test_a_namespace_that_refuses_privileged_pods_is_refused(cluster: LocalClust
     cluster.kubectl("create", "namespace", ns)
     cluster.kubectl("label", "namespace", ns, "pod-security.kubernetes.io/enforce=baseline")
     try:
-        proc = _helm_install(cluster, "rdma-strict", ns, {}, "--skip-crds")
+        proc = _helm_install(cluster, "rdma-strict", ns, {"crds": {"install": False}})
         assert proc.returncode != 0
         fix = f"kubectl label --overwrite namespace {ns} {PSA_ENFORCE}=privileged"
         assert fix in proc.stderr, proc.stderr
@@ -154,12 +155,69 @@ def test_a_namespace_that_refuses_privileged_pods_is_refused(cluster: LocalClust
         cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
 
 
+HELM_OWNER = ("meta.helm.sh/release-name", "meta.helm.sh/release-namespace")
+CRDS = (c.NETWORK_CRD_NAME, c.NODESTATE_CRD_NAME)
+
+
+def _disown_crds(cluster: LocalCluster) -> None:
+    """The CRDs as `kubectl apply` (or an earlier chart's crds/ folder) leaves them on a
+    cluster: no release's annotations or label on them."""
+    for crd in CRDS:
+        cluster.kubectl("annotate", "crd", crd, *(f"{k}-" for k in HELM_OWNER), check=False)
+        cluster.kubectl("label", "crd", crd, "app.kubernetes.io/managed-by-", check=False)
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(chart.CRD_DIR))
+
+
+def _owner(cluster: LocalCluster, crd: str) -> tuple[str | None, ...]:
+    meta = json.loads(cluster.kubectl("get", "crd", crd, "-o", "json").stdout)["metadata"]
+    annotations = meta.get("annotations") or {}
+    return tuple(annotations.get(k) for k in HELM_OWNER)
+
+
+def test_crds_no_release_owns_stop_the_install_until_taken_over(cluster: LocalCluster) -> None:
+    """The README's migration path: over CRDs no release owns, the default install stops
+    with Helm's `invalid ownership metadata` before it creates anything; `--take-ownership`
+    adopts them (and marks them keep); a second release beside it sets crds.install=false."""
+    tag = secrets.token_hex(3)
+    release, namespace = f"crds-{tag}", f"crds-{tag}"
+    other, other_ns = f"beside-{tag}", f"beside-{tag}"
+    _disown_crds(cluster)
+    assert all(_owner(cluster, crd) == (None, None) for crd in CRDS)
+    try:
+        proc = _helm_install(cluster, release, namespace, {}, "--create-namespace")
+        assert proc.returncode != 0
+        assert "invalid ownership metadata" in proc.stderr, proc.stderr
+        assert release not in cluster.helm("list", "-A", "-q").stdout
+        proc = _helm_install(
+            cluster, release, namespace, {}, "--create-namespace", "--take-ownership"
+        )
+        assert proc.returncode == 0, proc.stderr
+        for crd in CRDS:
+            assert _owner(cluster, crd) == (release, namespace)
+            meta = json.loads(cluster.kubectl("get", "crd", crd, "-o", "json").stdout)["metadata"]
+            assert meta["annotations"]["helm.sh/resource-policy"] == "keep"
+        # Only one release may own them: another one installs without.
+        proc = _helm_install(cluster, other, other_ns, {}, "--create-namespace")
+        assert proc.returncode != 0 and "invalid ownership metadata" in proc.stderr
+        proc = _helm_install(
+            cluster, other, other_ns, {"crds": {"install": False}}, "--create-namespace"
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert all(_owner(cluster, crd) == (release, namespace) for crd in CRDS)
+    finally:
+        for name, ns in ((other, other_ns), (release, namespace)):
+            cluster.helm("uninstall", name, "-n", ns, "--wait=false", check=False)
+            cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+    for crd in CRDS:  # uninstalled, and kept
+        cluster.kubectl("get", "crd", crd)
+
+
 @pytest.fixture(scope="module")
 def team_release(
     cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[str, str, str]]:
-    """`helm install fabric-<tag> -n team-<tag> --create-namespace --skip-crds` over CRDs
-    applied with kubectl (the documented GitOps/upgrade path)."""
+    """`helm install fabric-<tag> -n team-<tag> --create-namespace --set crds.install=false`
+    over CRDs applied with kubectl (the documented GitOps path)."""
     tag = secrets.token_hex(3)
     release, namespace = f"fabric-{tag}", f"team-{tag}"
     cluster.kubectl("apply", "--server-side", "-f", str(chart.CRD_DIR))
@@ -167,11 +225,11 @@ def team_release(
         "wait", "--for=condition=Established", "--timeout=60s",
         f"crd/{c.NETWORK_CRD_NAME}", f"crd/{c.NODESTATE_CRD_NAME}",
     )  # fmt: skip
-    proc = _helm_install(
-        cluster, release, namespace, AGENT_VALUES, "--create-namespace", "--skip-crds"
-    )
+    values = {**AGENT_VALUES, "crds": {"install": False}}
+    proc = _helm_install(cluster, release, namespace, values, "--create-namespace")
     assert proc.returncode == 0, proc.stderr
     assert f"namespace {namespace}" in proc.stdout  # NOTES name where things run
+    assert "kubectl apply --server-side -f crds/" in proc.stdout  # and how to upgrade
     try:
         yield release, namespace, f"{release}-metaroce"
     finally:

@@ -7,10 +7,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import make_config
 from fakes import FixtureHost, no_rdma_node, softroce_node
 
-from metaroce_agent.cli import doctor_main, run_main
+from metaroce_agent.cli import describe_error, doctor_main, run_main
 from metaroce_agent.doctor import examine, render
 from metaroce_agent.loop import Agent, AgentOptions, ConfigError, load_config
 
@@ -257,3 +258,51 @@ def test_the_rdma_probe_is_off_for_metaroce(tmp_path: Path) -> None:
         agent = Agent(opts, host=host, kube=kube)  # type: ignore[arg-type]
         _maybe_probe(agent, opts)
         assert (agent.prober is not None) == probed, mode
+
+
+def test_start_up_errors_keep_their_cause(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 17: an agent that cannot start says what failed and why. ssl's own error for
+    a missing CA file names no file; the log names the kubeconfig, the CA and the cause."""
+    cfg = write_config(tmp_path / "a.yaml")
+    kubeconfig = tmp_path / "kubeconfig"
+
+    def write(cluster: dict[str, str]) -> None:
+        kubeconfig.write_text(
+            yaml.safe_dump(
+                {
+                    "clusters": [{"name": "c", "cluster": cluster}],
+                    "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+                    "users": [{"name": "u", "user": {"token": "t"}}],
+                    "current-context": "x",
+                }
+            )
+        )
+
+    argv = ["--config", str(cfg), "--kubeconfig", str(kubeconfig), "--node-name", "n1"]
+    write({"server": "https://10.0.0.1:6443", "certificate-authority": "gone-ca.crt"})
+    assert run_main([*argv, "--no-metrics"]) == 1
+    err = capsys.readouterr().err
+    assert f"cannot start the agent: KubeError: kubeconfig {kubeconfig}: cannot load its CA" in err
+    assert "(gone-ca.crt)" in err and "; caused by FileNotFoundError: " in err, err
+    write({"certificate-authority": "gone-ca.crt"})
+    assert run_main([*argv, "--no-metrics"]) == 1
+    assert "its cluster has no server (https://HOST:PORT)" in capsys.readouterr().err
+
+
+def test_describe_error_follows_causes_and_context() -> None:
+    try:
+        try:
+            {}["server"]
+        except KeyError as e:
+            raise ValueError("bad kubeconfig") from e
+    except ValueError as e:
+        assert describe_error(e) == "ValueError: bad kubeconfig; caused by KeyError: 'server'"
+    try:
+        try:
+            raise OSError("disk")
+        except OSError:
+            raise RuntimeError("while reading") from None
+    except RuntimeError as e:
+        assert describe_error(e) == "RuntimeError: while reading"

@@ -260,7 +260,10 @@ def test_checked_in_crds_match_the_models() -> None:
 
 def test_default_dirs_are_in_this_repository() -> None:
     root = Path(__file__).resolve().parents[3]
-    assert crdgen.default_dirs() == [root / "crds", root / "charts" / "metaroce" / "crds"]
+    chart_copy = root / "charts" / "metaroce" / "files" / "crds"
+    assert crdgen.default_dirs() == [root / "crds", chart_copy]
+    # Never the chart's crds/: Helm would install those itself, whatever crds.install says.
+    assert not (root / "charts" / "metaroce" / "crds").exists()
 
 
 def test_write_then_check_and_stale_files_are_reported(tmp_path: Path) -> None:

@@ -166,3 +166,58 @@ def test_inject_input_errors_name_the_fix(
     assert "kind is 'Deployment', not 'Pod'" in capsys.readouterr().err
     assert metaroce(["inject", "--dry-run", "-f", str(tmp_path / "missing.yaml")]) == 2
     assert "cannot read it" in capsys.readouterr().err
+
+
+# --- the README's training job ---------------------------------------------------------------
+
+
+def _readme_training_pod() -> dict[str, Any]:
+    """The Worker pod template of the README's PyTorchJob (step 4), as a Pod."""
+    text = (REPO / "README.md").read_text()
+    block = text.split("### 4. A training job", 1)[1].split("```yaml", 1)[1].split("```", 1)[0]
+    job = yaml.safe_load(block)
+    template = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
+    meta = {"name": "allreduce-worker-0", **template["metadata"]}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": template["spec"]}
+
+
+@pytest.mark.parametrize("nics", [8, None], ids=["asks-for-8", "one-by-default"])
+def test_the_readme_training_job_gets_what_the_readme_says(nics: int | None) -> None:
+    """Issue 17: the README's PyTorchJob (not run: no GPUs here) through the admission's
+    mutation with the README's own network (samples/rocev2-lossless-mellanox.yaml):
+    the NICs it asks for are kept, one unit when it asks for none, IPC_LOCK, and exactly
+    the NCCL variables the README says the admission sets (the device plugin sets the rest)."""
+    import jsonpatch  # type: ignore[import-untyped]
+
+    from metaroce_agent.deviceplugin.devices import DEVICE_ENV
+
+    pod_in = _readme_training_pod()
+    (container,) = pod_in["spec"]["containers"]
+    limits = container["resources"]["limits"]
+    assert limits["metaroce.io/backend"] == 8 and pod_in["metadata"]["annotations"] == {
+        "metaroce.io/networks": "backend"
+    }
+    if nics is None:
+        del limits["metaroce.io/backend"]
+    network = REPO / "samples" / "rocev2-lossless-mellanox.yaml"
+    views = inject.views_from_documents(list(yaml.safe_load_all(network.read_text())))
+    rc, out, notes = inject.dry_run(pod_in, views, Namespace("jobs", None))
+    assert rc == 0 and notes == [], notes
+    (got,) = jsonpatch.apply_patch(pod_in, json.loads(out))["spec"]["containers"]
+    assert got["resources"]["limits"]["metaroce.io/backend"] == (nics or "1")
+    assert got["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert "IPC_LOCK" in got["securityContext"]["capabilities"]["add"]
+    env = [e["name"] for e in got["env"]]
+    readme = " ".join((REPO / "README.md").read_text().split())
+    said = (
+        "and `NCCL_IB_TC`, `NCCL_IB_QPS_PER_CONNECTION`, `NCCL_IB_TIMEOUT` and `NCCL_IB_RETRY_CNT`"
+    )
+    assert said in readme
+    assert env == [
+        "NCCL_IB_TC",
+        "NCCL_IB_QPS_PER_CONNECTION",
+        "NCCL_IB_TIMEOUT",
+        "NCCL_IB_RETRY_CNT",
+    ]
+    assert sorted(DEVICE_ENV) == ["NCCL_IB_GID_INDEX", "NCCL_IB_HCA"]
+    assert "the agent's device plugin sets them when the containers start" in readme
