@@ -14,7 +14,7 @@ from typing import Any, cast
 import kopf
 
 from metaroce_api import constants as c
-from metaroce_operator.kopfrun import Bridge
+from metaroce_operator.bridge import Bridge
 
 registry = kopf.OperatorRegistry()
 RETRY_BACKOFF = 5.0
