@@ -3,7 +3,10 @@
 One `Controller` lives for one leadership term, on the main event loop. kopf (on its own
 thread, see `kopfrun`) feeds it network and child events and calls `reconcile`; its own
 `Informer` feeds it NodeStates. Everything it writes goes through a `Kube` view whose
-write gate closes the moment the lease is lost.
+write gate closes the moment the lease is lost. What it knows is kept in `state`, one
+object per concern (children, reports, nodes, conflicts, taints, upgrades, claims, node
+labels, cleanup): each owns its tables, which are forgotten with their network, and the
+observed ones refuse to be read before their first list (`state.NotSynced`).
 
 - reconcile: validate, render, server-side apply every child (ConfigMap before the
   DaemonSet), the cleanup finalizer; deterministic, so a restart re-applies no-ops.
