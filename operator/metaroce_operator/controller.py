@@ -1,12 +1,13 @@
 """The leader's work: reconcile networks, aggregate their status, and the node pass.
 
 One `Controller` lives for one leadership term, on the main event loop. kopf (on its own
-thread, see `kopfrun`) feeds it network and child events and calls `reconcile`; its own
-`Informer` feeds it NodeStates. Everything it writes goes through a `Kube` view whose
-write gate closes the moment the lease is lost. What it knows is kept in `state`, one
-object per concern (children, reports, nodes, conflicts, taints, upgrades, claims, node
-labels, cleanup): each owns its tables, which are forgotten with their network, and the
-observed ones refuse to be read before their first list (`state.NotSynced`).
+thread, see `kopfrun`) feeds it network events and calls `reconcile`; its own
+`Informer`s feed it NodeStates and the children. Everything it writes goes through a
+`Kube` view whose write gate closes the moment the lease is lost. What it knows is kept
+in `state`, one object per concern (children, reports, nodes, conflicts, taints,
+upgrades, claims, node labels, cleanup): each owns its tables, which are forgotten with
+their network, and the observed ones refuse to be read before their first list
+(`state.NotSynced`).
 
 - reconcile: validate, render, server-side apply every child (ConfigMap before the
   DaemonSet), the cleanup finalizer; deterministic, so a restart re-applies no-ops.
@@ -99,6 +100,14 @@ POD_POLICY_BINDING = KINDS[("admissionregistration.k8s.io/v1", "MutatingAdmissio
 OS_LABEL = "kubernetes.io/os"
 DRIFT_CHECKED = ("DaemonSet", "ClusterRole", "ClusterRoleBinding")
 """Children whose owned fields are compared with each watch event (see `drift`)."""
+WATCHED_CHILDREN = (
+    DAEMONSET,
+    CONFIGMAP,
+    KINDS[("v1", "ServiceAccount")],
+    CLUSTERROLE,
+    CLUSTERROLEBINDING,
+)
+"""Children watched for drift and for the DaemonSet's rollout (labelled as ours)."""
 
 
 def _after_child(kind: str) -> None:
@@ -128,6 +137,19 @@ class Controller:
             self.kube, NODESTATE, lambda t, body: self.on_event(c.NODESTATE_KIND, t, body)
         )
         self.store = Store(self.nodestates.synced)
+        # The children, on this loop and this client like the NodeStates (kopf watched
+        # them before, on its thread, as an event pump that wrote nothing).
+        self.children = [
+            Informer(
+                self.kube,
+                kind,
+                functools.partial(self.on_event, kind.kind),
+                namespace=settings.render.namespace if kind.namespaced else None,
+                label_selector=f"{c.MANAGED_BY_LABEL}={c.MANAGED_BY}",
+                failpoint_name=f"informer.{kind.plural}.before_list",
+            )
+            for kind in WATCHED_CHILDREN
+        ]
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -140,10 +162,12 @@ class Controller:
         return self.store.reports.synced
 
     async def run(self) -> None:
-        """The NodeState watch, then (once its first list is in) the status loop and the
-        node pass, until cancelled."""
+        """The NodeState and children watches, then (once the NodeStates' first list is
+        in) the status loop and the node pass, until cancelled."""
         async with asyncio.TaskGroup() as group:
             group.create_task(self.nodestates.run(), name="NodeState watch")
+            for informer in self.children:
+                group.create_task(informer.run(), name=f"{informer.kind.kind} watch")
             group.create_task(self._after_sync(self.batch.run()), name="status batching")
             group.create_task(self._after_sync(self._node_pass_loop()), name="node pass")
 
