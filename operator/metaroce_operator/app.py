@@ -23,9 +23,10 @@ from aiohttp import web
 
 from metaroce_api import constants as c
 from metaroce_operator import __version__, metrics
+from metaroce_operator.bridge import Bridge
 from metaroce_operator.controller import Controller
 from metaroce_operator.health import Checks, serve_health, serve_metrics
-from metaroce_operator.kopfrun import Bridge, KopfThread
+from metaroce_operator.kopfrun import KopfThread
 from metaroce_operator.kube import ApiError, Kube, load_credentials
 from metaroce_operator.leader import LeaderElector
 from metaroce_operator.settings import OperatorSettings

@@ -1,9 +1,13 @@
 """The leader's work: reconcile networks, aggregate their status, and the node pass.
 
 One `Controller` lives for one leadership term, on the main event loop. kopf (on its own
-thread, see `kopfrun`) feeds it network and child events and calls `reconcile`; its own
-`Informer` feeds it NodeStates. Everything it writes goes through a `Kube` view whose
-write gate closes the moment the lease is lost.
+thread, see `kopfrun`) feeds it network events and calls `reconcile`; its own
+`Informer`s feed it NodeStates and the children. Everything it writes goes through a
+`Kube` view whose write gate closes the moment the lease is lost. What it knows is kept
+in `state`, one object per concern (children, reports, nodes, conflicts, taints,
+upgrades, claims, node labels, cleanup): each owns its tables, which are forgotten with
+their network, and the observed ones refuse to be read before their first list
+(`state.NotSynced`).
 
 - reconcile: validate, render, server-side apply every child (ConfigMap before the
   DaemonSet), the cleanup finalizer; deterministic, so a restart re-applies no-ops.
@@ -25,7 +29,6 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Coroutine, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from metaroce_api import InvalidObject, MetaRoceNetwork, parse_duration, validate_network
@@ -42,7 +45,6 @@ from metaroce_operator.conflicts import (
     selector_matches,
 )
 from metaroce_operator.drift import daemonset_drift, rbac_drift
-from metaroce_operator.freshness import NetworkBodies
 from metaroce_operator.images import image_refusal
 from metaroce_operator.informer import Informer
 from metaroce_operator.kube import KINDS, ApiError, Kube, NotLeader
@@ -51,7 +53,6 @@ from metaroce_operator.observed import (
     DaemonSetView,
     NodeReport,
     NodeView,
-    ReportedNic,
     parse_time,
 )
 from metaroce_operator.probekey import ensure_probe_key, probe_key_secret
@@ -65,6 +66,7 @@ from metaroce_operator.render.common import (
 )
 from metaroce_operator.render.podpolicy import policy_name
 from metaroce_operator.settings import OperatorSettings
+from metaroce_operator.state import Applied, Store
 from metaroce_operator.status import (
     CONFIGURED_PHASES,
     BatchLoop,
@@ -98,6 +100,14 @@ POD_POLICY_BINDING = KINDS[("admissionregistration.k8s.io/v1", "MutatingAdmissio
 OS_LABEL = "kubernetes.io/os"
 DRIFT_CHECKED = ("DaemonSet", "ClusterRole", "ClusterRoleBinding")
 """Children whose owned fields are compared with each watch event (see `drift`)."""
+WATCHED_CHILDREN = (
+    DAEMONSET,
+    CONFIGMAP,
+    KINDS[("v1", "ServiceAccount")],
+    CLUSTERROLE,
+    CLUSTERROLEBINDING,
+)
+"""Children watched for drift and for the DaemonSet's rollout (labelled as ours)."""
 
 
 def _after_child(kind: str) -> None:
@@ -114,94 +124,32 @@ class PermanentFailure(Exception):
     """The spec cannot be reconciled as it is; retrying will not help until it changes."""
 
 
-@dataclass(frozen=True)
-class Applied:
-    generation: int
-    config_generation: int
-    config_hash: str
-
-
-class Store:
-    """What the leader knows, reduced to what it needs."""
-
-    def __init__(self) -> None:
-        self.bodies = NetworkBodies()
-        self.networks: dict[str, dict[str, Any]] = self.bodies.bodies
-        self.reports: dict[str, dict[str, NodeReport]] = defaultdict(dict)
-        self.report_keys: dict[str, tuple[str, str]] = {}
-        self.daemonsets: dict[str, DaemonSetView] = {}
-        self.nodes: dict[str, NodeView] | None = None
-        self.applied: dict[str, Applied] = {}
-        self.errors: dict[str, tuple[str, str]] = {}
-        self.eligible: dict[str, frozenset[str]] = {}
-        self.conflicts: dict[str, tuple[str, ...]] = {}
-        self.yielded: dict[str, tuple[str, ...]] = {}
-        self.held: dict[str, tuple[str, ...]] = {}
-        """Networks whose rollout waits for a NIC conflict with an older network to go."""
-        self.taint_notes: dict[str, str] = {}
-        self.unhealthy: dict[str, frozenset[str]] = {}
-        self.rendered: dict[str, dict[str, dict[str, Any]]] = {}
-        """network -> kind -> the child last applied (what drift is judged against)."""
-        self.policies_checked: set[str] = set()
-        """Webhook admission mode: networks whose leftover pod policies (from a run in
-        policy mode) this process has deleted, once per network."""
-        self.foreign: dict[str, str] = {}
-        """Networks claimed by another operator (see `claim`): network -> its Lease."""
-        self.holds: dict[str, tuple[upgrade.Hold, ...]] = {}
-        """network -> its nodes' holds of agent updates (see upgrade.py)."""
-        self.rendered_holding: dict[str, bool] = {}
-        """network -> whether its DaemonSet was last applied as `OnDelete` for a hold."""
-        self.revert_asked: dict[tuple[str, str], float] = {}
-        """(network, node) -> when the node's label asked its agent to revert
-        (`time.monotonic()`; see nodelabels.py)."""
-
-    def set_network(self, body: dict[str, Any]) -> bool:
-        """Keep the newest body (see `freshness`: resourceVersions are never compared)."""
-        return self.bodies.from_watch(body)
-
-    def wrote_status(self, body: dict[str, Any]) -> None:
-        """Keep the response of the leader's own status write."""
-        self.bodies.from_write(body)
-
-    def status_of(self, name: str) -> dict[str, Any] | None:
-        """The network's status as the leader last knows it (its own write until the
-        watch echoes it)."""
-        return self.bodies.status(name)
-
-    def forget_network(self, name: str) -> None:
-        self.bodies.forget(name)
-        for table in (
-            self.daemonsets,
-            self.applied,
-            self.errors,
-            self.eligible,
-            self.conflicts,
-            self.yielded,
-            self.held,
-            self.holds,
-            self.rendered_holding,
-            self.taint_notes,
-            self.unhealthy,
-            self.rendered,
-            self.foreign,
-        ):
-            table.pop(name, None)
-        self.policies_checked.discard(name)
-
-
 class Controller:
     def __init__(self, kube: Kube, settings: OperatorSettings) -> None:
         self.kube = kube
         self.settings = settings
-        self.store = Store()
         self.batch = BatchLoop(self.flush, settings.status_interval, on_error=self._flush_error)
         self._locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        """Per network, kept for the term (a lock forgotten while held would not exclude)."""
         self._tasks: set[asyncio.Task[Any]] = set()
         self._kick = asyncio.Event()
-        self._timers: dict[str, asyncio.TimerHandle] = {}
         self.nodestates = Informer(
             self.kube, NODESTATE, lambda t, body: self.on_event(c.NODESTATE_KIND, t, body)
         )
+        self.store = Store(self.nodestates.synced)
+        # The children, on this loop and this client like the NodeStates (kopf watched
+        # them before, on its thread, as an event pump that wrote nothing).
+        self.children = [
+            Informer(
+                self.kube,
+                kind,
+                functools.partial(self.on_event, kind.kind),
+                namespace=settings.render.namespace if kind.namespaced else None,
+                label_selector=f"{c.MANAGED_BY_LABEL}={c.MANAGED_BY}",
+                failpoint_name=f"informer.{kind.plural}.before_list",
+            )
+            for kind in WATCHED_CHILDREN
+        ]
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -211,13 +159,15 @@ class Controller:
         knows no report, and "no report" must not be read as "nothing configured" or
         "every node reverted": status, cleanup, conflicts, taints and the garbage
         collection of NodeStates all wait for it."""
-        return self.nodestates.synced.is_set()
+        return self.store.reports.synced
 
     async def run(self) -> None:
-        """The NodeState watch, then (once its first list is in) the status loop and the
-        node pass, until cancelled."""
+        """The NodeState and children watches, then (once the NodeStates' first list is
+        in) the status loop and the node pass, until cancelled."""
         async with asyncio.TaskGroup() as group:
             group.create_task(self.nodestates.run(), name="NodeState watch")
+            for informer in self.children:
+                group.create_task(informer.run(), name=f"{informer.kind.kind} watch")
             group.create_task(self._after_sync(self.batch.run()), name="status batching")
             group.create_task(self._after_sync(self._node_pass_loop()), name="node pass")
 
@@ -245,8 +195,7 @@ class Controller:
     def close(self) -> None:
         for task in list(self._tasks):
             task.cancel()
-        for timer in self._timers.values():
-            timer.cancel()
+        self.store.cleanup.close()
 
     def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
         task = asyncio.get_running_loop().create_task(coro, name=name)
@@ -287,49 +236,41 @@ class Controller:
             self.batch.forget(name)
             metrics.forget_network(name)
             self._spawn(self._delete_nodestates(name), f"delete NodeStates of {name}")
-            if self.store.held:
+            if self.store.conflicts.held:
                 self._kick.set()  # a held network may resume now
             return
         old = self.store.networks.get(name)
         if self.store.set_network(body):
             self.batch.mark(name)
             generation = (old or {}).get("metadata", {}).get("generation")
-            if self.store.held and generation != body["metadata"].get("generation"):
+            if self.store.conflicts.held and generation != body["metadata"].get("generation"):
                 self._kick.set()  # a changed spec may end the conflict holding another
 
     def _nodestate_event(self, event_type: str | None, body: dict[str, Any]) -> None:
-        name = (body.get("metadata") or {}).get("name", "")
-        old = self.store.report_keys.pop(name, None)
-        if old is not None:
-            self.store.reports[old[0]].pop(old[1], None)
-            self.batch.mark(old[0])
-        if event_type == "DELETED":
-            return
-        report = NodeReport.from_body(body)
-        if report is None:
-            return
-        self.store.reports[report.network][report.node] = report
-        self.store.report_keys[name] = (report.network, report.node)
-        self.batch.mark(report.network, urgent=self._completes_rollout(report.network))
+        was, report = self.store.reports.on_event(event_type, body)
+        if was is not None:
+            self.batch.mark(was)
+        if report is not None:
+            self.batch.mark(report.network, urgent=self._completes_rollout(report.network))
 
     def _completes_rollout(self, name: str) -> bool:
         """Whether the report just stored is the last one a rollout waited for, and the
         written status does not show that yet: then Ready is written at once rather than
         an interval later. Once per rollout, so still no status write per node event."""
-        applied = self.store.applied.get(name)
-        reports = self.store.reports.get(name, {})
-        if applied is None or name in self.store.held:
-            return False
-        ds = self.store.daemonsets.get(name)
-        eligible = self.store.eligible.get(name)
+        applied = self.store.children.applied.get(name)
+        if applied is None or name in self.store.conflicts.held or not self.synced:
+            return False  # before the first list, the status loop waits anyway
+        ds = self.store.children.daemonsets.get(name)
+        eligible = self.store.nodes.eligible.get(name)
         if ds is not None and ds.observed_current:
             desired = ds.desired
         elif eligible is not None:
             desired = len(eligible)
         else:
             return False
-        if len(reports) < desired:  # the common case during a rollout: O(1)
+        if self.store.reports.count(name) < desired:  # the common case in a rollout: O(1)
             return False
+        reports = self.store.reports.of(name)
         shown = (self.store.status_of(name) or {}).get("nodes") or {}
         if int(shown.get("configured") or 0) + int(shown.get("failed") or 0) >= desired:
             return False
@@ -345,13 +286,13 @@ class Controller:
         ):
             return
         if event_type == "DELETED":
-            self.store.daemonsets.pop(network, None)
+            self.store.children.daemonsets.pop(network, None)
             self._reconcile_later(network, "its DaemonSet was deleted")
         else:
             view = DaemonSetView.from_body(body, c.CONFIG_HASH_ANNOTATION)
-            self.store.daemonsets[network] = view
-            applied = self.store.applied.get(network)
-            rendered = self.store.rendered.get(network, {}).get("DaemonSet")
+            self.store.children.daemonsets[network] = view
+            applied = self.store.children.applied.get(network)
+            rendered = self.store.children.rendered.get(network, {}).get("DaemonSet")
             if applied is not None and view.template_hash != applied.config_hash:
                 self._reconcile_later(network, "its DaemonSet's config hash was changed")
             elif applied is not None and rendered is not None:
@@ -373,19 +314,19 @@ class Controller:
         if event_type == "DELETED":
             self._reconcile_later(network, f"its {kind} was deleted")
         elif kind == "ConfigMap":
-            applied = self.store.applied.get(network)
+            applied = self.store.children.applied.get(network)
             digest = (meta.get("annotations") or {}).get(c.CONFIG_HASH_ANNOTATION)
             if applied is not None and digest != applied.config_hash:
                 self._reconcile_later(network, "its ConfigMap was changed")
         elif kind in ("ClusterRole", "ClusterRoleBinding"):
-            rendered = self.store.rendered.get(network, {}).get(kind)
+            rendered = self.store.children.rendered.get(network, {}).get(kind)
             edited = rbac_drift(rendered, body) if rendered is not None else []
             if edited:
                 self._reconcile_later(network, f"its {kind} was edited ({', '.join(edited)})")
 
     def _reconcile_later(self, name: str, why: str) -> None:
         body = self.store.networks.get(name)
-        if body is None or cleanup.deleting(body) or name not in self.store.applied:
+        if body is None or cleanup.deleting(body) or not self.store.children.known(name):
             return
         log.info("re-applying the children of %s: %s", name, why)
         self._spawn(self._reconcile_retrying(name), f"reconcile {name}")
@@ -466,10 +407,10 @@ class Controller:
         return False
 
     async def _foreign(self, name: str, body: dict[str, Any], claim: str) -> None:
-        if self.store.foreign.get(name) == claim:
+        if self.store.claims.foreign.get(name) == claim:
             return
-        self.store.foreign[name] = claim
-        metrics.FOREIGN_NETWORKS.set(len(self.store.foreign))
+        self.store.claims.foreign[name] = claim
+        metrics.FOREIGN_NETWORKS.set(len(self.store.claims.foreign))
         message = (
             f"network {name} is managed by the operator of lease {claim}; this operator "
             f"(lease {self.lease_ref}) leaves it alone. Run one operator per cluster, or, "
@@ -481,15 +422,15 @@ class Controller:
         await events.post(self.kube, body, spec, self.settings.identity)
 
     def _not_foreign(self, name: str) -> None:
-        if self.store.foreign.pop(name, None) is not None:
-            metrics.FOREIGN_NETWORKS.set(len(self.store.foreign))
+        if self.store.claims.foreign.pop(name, None) is not None:
+            metrics.FOREIGN_NETWORKS.set(len(self.store.claims.foreign))
 
     async def _take_over_gone_claims(self) -> None:
         """Node pass: reconcile a foreign network whose claimant's Lease is gone."""
-        for name, claim in list(self.store.foreign.items()):
+        for name, claim in list(self.store.claims.foreign.items()):
             if await self._claimant_gone(claim):
                 log.info("%s: its operator (lease %s) is gone; taking it over", name, claim)
-                self.store.foreign.pop(name, None)
+                self.store.claims.foreign.pop(name, None)
                 self._spawn(self._reconcile_retrying(name), f"reconcile {name}")
 
     # -- reconcile ------------------------------------------------------------------------
@@ -537,7 +478,7 @@ class Controller:
         if held:
             await self._hold(name, body, held)
             return
-        if self.store.held.pop(name, None) is not None:
+        if self.store.conflicts.held.pop(name, None) is not None:
             log.info("%s: its NIC conflict is gone; rolling out", name)
         namespace = self.settings.render.namespace
         digest = config_hash(agent_config(network))
@@ -550,7 +491,7 @@ class Controller:
             # network were deleted before the finalizer came.
             await cleanup.set_finalizer(self.kube, name, True, c.FIELD_MANAGER)
             failpoint("rollout.after_finalizer")
-        holding = bool(upgrade.holding(self.store.holds.get(name, ())))
+        holding = bool(upgrade.holding(self.store.upgrades.holds.get(name, ())))
         children = render_network(
             network, self.settings.render, config_generation=config_gen, nodes_holding=holding
         )
@@ -586,12 +527,12 @@ class Controller:
         await self._drop_leftover_policies(name)
         if has and not wants:
             await cleanup.set_finalizer(self.kube, name, False, c.FIELD_MANAGER)
-        self.store.rendered[name] = {
-            str(o["kind"]): o for o in children if o["kind"] in DRIFT_CHECKED
-        }
-        self.store.applied[name] = Applied(generation, config_gen, digest)
-        self.store.rendered_holding[name] = holding
-        self.store.errors.pop(name, None)
+        self.store.children.record(
+            name,
+            Applied(generation, config_gen, digest),
+            {str(o["kind"]): o for o in children if o["kind"] in DRIFT_CHECKED},
+            holding,
+        )
         log.info(
             "applied the children of %s (generation %d, agent config of generation %d)",
             name,
@@ -603,7 +544,8 @@ class Controller:
     async def _drop_leftover_policies(self, name: str) -> None:
         """Webhook mode: delete the network's pod admission policy left by a run in policy
         mode, so the webhook and a policy never both mutate a pod (once per network)."""
-        if self.settings.render.admission_mode != "webhook" or name in self.store.policies_checked:
+        checked = self.store.children.policies_checked
+        if self.settings.render.admission_mode != "webhook" or name in checked:
             return
         for kind in (POD_POLICY_BINDING, POD_POLICY):
             try:
@@ -614,7 +556,7 @@ class Controller:
                     raise
                 # An install whose RBAC predates the policy mode has none to leave behind.
                 log.debug("cannot check for a leftover %s of %s: %s", kind.kind, name, err)
-        self.store.policies_checked.add(name)
+        checked[name] = True
 
     async def _apply(self, name: str, children: list[dict[str, Any]]) -> list[dict[str, Any]]:
         try:
@@ -650,14 +592,15 @@ class Controller:
                 order[other_name] = created_order(other)
         nodes = await self.kube.list_items(NODE, cached=True)
         labels = {v.name: v.labels for v in map(NodeView.from_body, nodes)}
-        return holding_conflicts(name, networks, order, labels, self._netdevs(), self._nics())
+        reports = self.store.reports
+        return holding_conflicts(name, networks, order, labels, reports.netdevs(), reports.nics())
 
     async def _hold(self, name: str, body: dict[str, Any], held: list[Conflict]) -> None:
         messages = tuple(conflict.held_message() for conflict in held)
-        if self.store.held.get(name) != messages:
+        if self.store.conflicts.held.get(name) != messages:
             log.warning("%s: rollout held: %s", name, "; ".join(m for m in messages))
-        self.store.held[name] = messages
-        self.store.errors.pop(name, None)
+        self.store.conflicts.held[name] = messages
+        self.store.children.errors.pop(name, None)
         has = c.CLEANUP_FINALIZER in cleanup.finalizers(body)
         if cleanup.wants_finalizer(body) != has:
             await cleanup.set_finalizer(
@@ -665,22 +608,8 @@ class Controller:
             )
         self.batch.mark(name)
 
-    def _netdevs(self) -> dict[str, dict[str, tuple[str, ...]]]:
-        """network -> node -> the netdevs its agent reports."""
-        return {
-            network: {node: r.netdevs for node, r in by_node.items() if r.netdevs}
-            for network, by_node in self.store.reports.items()
-        }
-
-    def _nics(self) -> dict[str, dict[str, tuple[ReportedNic, ...]]]:
-        """network -> node -> the NICs its agent reports, with their attributes."""
-        return {
-            network: {node: r.nics for node, r in by_node.items() if r.nics}
-            for network, by_node in self.store.reports.items()
-        }
-
     def _fail(self, name: str, reason: str, message: str) -> None:
-        self.store.errors[name] = (reason, message)
+        self.store.children.errors[name] = (reason, message)
         self.batch.mark(name)
 
     def _apply_failed(self, name: str, failure: ApplyFailed) -> None:
@@ -712,9 +641,9 @@ class Controller:
         if cleanup.deleting(body):
             await self._flush_deleting(name, body)
             return
-        applied = self.store.applied.get(name)
-        error = self.store.errors.get(name)
-        if applied is None and error is None and name not in self.store.held:
+        applied = self.store.children.applied.get(name)
+        error = self.store.children.errors.get(name)
+        if applied is None and error is None and name not in self.store.conflicts.held:
             return  # not reconciled in this term yet: a status from nothing would flap
         previous = parse_status(self.store.status_of(name))
         generation = int(body["metadata"].get("generation") or 0)
@@ -747,23 +676,23 @@ class Controller:
         error: tuple[str, str] | None,
         cleanup_view: CleanupView | None = None,
     ) -> Observed:
-        reports = self.store.reports.get(name, {})
+        reports = self.store.reports.of(name)
+        holds = self.store.upgrades.holds.get(name, ())
+        conflicts = self.store.conflicts
         return Observed(
             network=network,
             applied_generation=applied.generation if applied else None,
             config_generation=applied.config_generation if applied else None,
-            daemonset=self.store.daemonsets.get(name),
+            daemonset=self.store.children.daemonsets.get(name),
             reports=reports,
             verdicts=probes.judge(reports, network.spec.health.probe),
-            eligible=self.store.eligible.get(name),
-            conflicts=self.store.conflicts.get(name, ()),
-            held=self.store.held.get(name, ()),
-            yielded=self.store.yielded.get(name, ()),
-            taint_note=self.store.taint_notes.get(name, ""),
-            agent_update=upgrade.update_status(
-                network.spec.agent.update_strategy.paused, self.store.holds.get(name, ())
-            ),
-            holding=upgrade.holding(self.store.holds.get(name, ())),
+            eligible=self.store.nodes.eligible.get(name),
+            conflicts=conflicts.blocking.get(name, ()),
+            held=conflicts.held.get(name, ()),
+            yielded=conflicts.yielded.get(name, ()),
+            taint_note=self.store.taints.notes.get(name, ""),
+            agent_update=upgrade.update_status(network.spec.agent.update_strategy.paused, holds),
+            holding=upgrade.holding(holds),
             cleanup=cleanup_view,
             error=error,
         )
@@ -789,25 +718,25 @@ class Controller:
 
     def _track_unhealthy(self, name: str, network: MetaRoceNetwork) -> None:
         """Wake the node pass early when the set of probe-failing nodes changed."""
-        if network.spec.health.action != "taint" and not self.store.unhealthy.get(name):
+        unhealthy = self.store.taints.unhealthy
+        if network.spec.health.action != "taint" and not unhealthy.get(name):
             return
-        reports = self.store.reports.get(name, {})
+        reports = self.store.reports.of(name)
         verdicts = probes.judge(reports, network.spec.health.probe)
         sick = frozenset(
             node
             for node, r in reports.items()
             if r.phase in CONFIGURED_PHASES and not verdicts[node].healthy
         )
-        if sick != self.store.unhealthy.get(name, frozenset()):
-            self.store.unhealthy[name] = sick
+        if unhealthy.replace(name, sick, frozenset()):
             self._kick.set()
 
     async def _flush_deleting(self, name: str, body: dict[str, Any]) -> None:
         if c.CLEANUP_FINALIZER not in cleanup.finalizers(body):
             return
         now = now_utc()
-        reports = self.store.reports.get(name, {})
-        nodes = set(self.store.nodes) if self.store.nodes is not None else None
+        reports = self.store.reports.of(name)
+        nodes = self.store.nodes.names_or_none()
         view = cleanup.cleanup_view(body, reports, nodes, now, self.settings.cleanup_timeout)
         if view.pending and not view.timed_out:
             self._recheck_at(name, cleanup.seconds_left(body, now, self.settings.cleanup_timeout))
@@ -818,7 +747,7 @@ class Controller:
         if network is not None and (view.pending or view.timed_out):
             previous = parse_status(self.store.status_of(name))
             observed = self._observed(
-                name, network, self.store.applied.get(name), None, cleanup_view=view
+                name, network, self.store.children.applied.get(name), None, cleanup_view=view
             )
             new = compute_status(observed, previous, now)
             if not same_status(new, previous):
@@ -851,10 +780,7 @@ class Controller:
         failpoint("cleanup.after_finalizer")  # gone: its NodeStates, labels, taints are orphans
 
     def _recheck_at(self, name: str, delay: float) -> None:
-        if name in self._timers:
-            self._timers[name].cancel()
-        loop = asyncio.get_running_loop()
-        self._timers[name] = loop.call_later(delay + 0.5, self.batch.mark, name)
+        self.store.cleanup.recheck_at(name, delay + 0.5, lambda: self.batch.mark(name))
 
     # -- the node pass ----------------------------------------------------------------------
 
@@ -874,7 +800,7 @@ class Controller:
 
     async def node_pass(self) -> None:
         node_bodies = await self.kube.list_items(NODE, cached=True)
-        self.store.nodes = {v.name: v for v in map(NodeView.from_body, node_bodies)}
+        self.store.nodes.listed([NodeView.from_body(b) for b in node_bodies])
         live_networks = {
             b["metadata"]["name"] for b in await self.kube.list_items(NETWORK, cached=True)
         }
@@ -890,7 +816,7 @@ class Controller:
             with contextlib.suppress(InvalidObject):
                 valid[name] = validate_network(body)
         await self._take_over_gone_claims()
-        labels = {name: view.labels for name, view in self.store.nodes.items()}
+        labels = self.store.nodes.labels()
         for name, network in valid.items():
             eligible = frozenset(
                 node
@@ -898,8 +824,8 @@ class Controller:
                 if node_labels.get(OS_LABEL) == "linux"
                 and selector_matches(network.spec.node_selector, node_labels)
             )
-            if self.store.eligible.get(name) != eligible:
-                self.store.eligible[name] = eligible
+            if self.store.nodes.eligible.get(name) != eligible:
+                self.store.nodes.eligible[name] = eligible
                 self.batch.mark(name)
         self._check_conflicts(valid, labels)
         await self._remove_orphaned_taints(known)
@@ -918,16 +844,15 @@ class Controller:
         the other nodes' outdated agents, maxUnavailable at a time."""
         strategy = network.spec.agent.update_strategy
         holds = upgrade.read_holds(
-            self.store.eligible.get(name, frozenset()),
+            self.store.nodes.eligible.get(name, frozenset()),
             labels,
             now_utc(),
             parse_duration(strategy.max_hold),
         )
-        if self.store.holds.get(name, ()) != holds:
-            self.store.holds[name] = holds
+        if self.store.upgrades.holds.replace(name, holds, ()):
             self.batch.mark(name)
         held = upgrade.holding(holds)
-        rendered = self.store.rendered_holding.get(name)
+        rendered = self.store.children.rendered_holding.get(name)
         if rendered is not None and rendered != bool(held):
             why = "a node holds off agent updates" if held else "no node holds agent updates"
             self._reconcile_later(name, why)
@@ -954,7 +879,7 @@ class Controller:
             upgrade.AgentPod.from_body(p)
             for p in await self.kube.list_items(POD, namespace, label_selector=selector)
         ]
-        nodes = self.store.eligible.get(name, frozenset())
+        nodes = self.store.nodes.eligible.get(name, frozenset())
         strategy = network.spec.agent.update_strategy
         budget = upgrade.scaled_max_unavailable(strategy.max_unavailable, len(nodes))
         min_ready = float((ds.get("spec") or {}).get("minReadySeconds") or 0)
@@ -968,17 +893,16 @@ class Controller:
         """The network's node label on the nodes it selects, and off those that left
         once their agent reverted them (with cleanupOnDelete; see nodelabels.py)."""
         label = c.node_label(name)
-        labels = {node: view.labels for node, view in (self.store.nodes or {}).items()}
-        phases = {node: r.phase for node, r in self.store.reports.get(name, {}).items()}
+        labels = self.store.nodes.labels()
+        phases = {node: r.phase for node, r in self.store.reports.of(name).items()}
         clock = time.monotonic()
+        asked = self.store.labels.revert_asked.setdefault(name, {})
         timed_out = {
-            node
-            for (net, node), asked in self.store.revert_asked.items()
-            if net == name and clock - asked > self.settings.cleanup_timeout
+            node for node, since in asked.items() if clock - since > self.settings.cleanup_timeout
         }
         plan = plan_labels(
             label,
-            self.store.eligible.get(name, frozenset()),
+            self.store.nodes.eligible.get(name, frozenset()),
             labels,
             phases,
             network.spec.cleanup_on_delete,
@@ -988,10 +912,10 @@ class Controller:
             await self._set_node_label(node, label, value)
             failpoint("labels.after_set")
             if value == c.NODE_REVERT:
-                self.store.revert_asked.setdefault((name, node), clock)
+                asked.setdefault(node, clock)
                 log.info("%s: node %s left the network: asked its agent to revert it", name, node)
             else:
-                self.store.revert_asked.pop((name, node), None)
+                asked.pop(node, None)
                 if value is None:
                     why = "timed out reverting" if node in timed_out else "left the network"
                     log.info("%s: node %s %s: its agent goes", name, node, why)
@@ -1006,7 +930,7 @@ class Controller:
 
     async def _remove_orphaned_labels(self, live_networks: set[str]) -> None:
         """Node labels of networks that are gone (after their agents, see nodelabels.py)."""
-        labels = {node: view.labels for node, view in (self.store.nodes or {}).items()}
+        labels = self.store.nodes.labels()
         live = {c.node_label(n) for n in live_networks}
         for node, gone in orphaned_labels(labels, live).items():
             for label in gone:
@@ -1016,7 +940,8 @@ class Controller:
 
     async def _remove_orphaned_taints(self, live_networks: set[str]) -> None:
         """Taints of networks that are gone (the network's own planning stops with it)."""
-        for node, network in taints.orphaned_taints(self.store.nodes or {}, live_networks).items():
+        orphaned = taints.orphaned_taints(self.store.nodes.view(), live_networks)
+        for node, network in orphaned.items():
             failpoint("taints.before_orphan_removed")
             if await taints.set_taint(self.kube, node, network, False):
                 log.info("removed the taint of deleted network %s from node %s", network, node)
@@ -1032,7 +957,9 @@ class Controller:
                 with contextlib.suppress(InvalidObject):
                     contenders[name] = validate_network(body)  # owns its NICs until gone
         order = {name: created_order(self.store.networks.get(name) or {}) for name in contenders}
-        found = find_conflicts(contenders.values(), labels, self._netdevs(), self._nics())
+        reports = self.store.reports
+        found = find_conflicts(contenders.values(), labels, reports.netdevs(), reports.nics())
+        held = self.store.conflicts.held
         for name in valid:
             blocking: list[str] = []
             yielded: list[str] = []
@@ -1040,35 +967,30 @@ class Controller:
             for conflict in found.get(name, []):
                 if order[conflict.other] < order[name]:
                     holding.append(conflict.held_message())
-                    if name not in self.store.held:  # rolled out before the conflict arose
+                    if name not in held:  # rolled out before the conflict arose
                         blocking.append(conflict.message())
-                elif conflict.other in self.store.held:
+                elif conflict.other in held:
                     yielded.append(conflict.yielded_message())
                 else:
                     blocking.append(conflict.message())
-            if name in self.store.held:
+            if name in held:
                 if not holding:
                     log.info("%s: its NIC conflict is gone; resuming the rollout", name)
                     self._spawn(self._reconcile_retrying(name), f"reconcile {name}")
-                elif tuple(holding) != self.store.held[name]:
-                    self.store.held[name] = tuple(holding)
+                elif held.replace(name, tuple(holding), ()):
                     self.batch.mark(name)
-            for table, messages in (
-                (self.store.conflicts, tuple(blocking)),
-                (self.store.yielded, tuple(yielded)),
-            ):
-                if table.get(name, ()) != messages:
-                    table[name] = messages
-                    self.batch.mark(name)
-                    if table is self.store.conflicts:
-                        for message in messages:
-                            log.warning("%s: NIC conflict: %s", name, message)
+            if self.store.conflicts.blocking.replace(name, tuple(blocking), ()):
+                self.batch.mark(name)
+                for message in blocking:
+                    log.warning("%s: NIC conflict: %s", name, message)
+            if self.store.conflicts.yielded.replace(name, tuple(yielded), ()):
+                self.batch.mark(name)
 
     async def _collect_garbage(self, live_networks: set[str]) -> None:
-        nodes = self.store.nodes or {}
+        nodes = self.store.nodes.view()
         now = now_utc()
         doomed: list[NodeReport] = []
-        for network, by_node in self.store.reports.items():
+        for network, by_node in self.store.reports.every():
             for node, report in by_node.items():
                 gone = node not in nodes or network not in live_networks
                 age = (now - report.created).total_seconds() if report.created else 1e9
@@ -1105,27 +1027,26 @@ class Controller:
 
     async def _taints(self, name: str, network: MetaRoceNetwork, live: set[str]) -> None:
         health = network.spec.health
-        reports = self.store.reports.get(name, {})
+        reports = self.store.reports.of(name)
         verdicts = probes.judge(reports, health.probe)
         sick = {
             node
             for node, r in reports.items()
             if r.phase in CONFIGURED_PHASES and not verdicts[node].healthy
         }
-        members = set(self.store.eligible.get(name) or reports)
+        members = set(self.store.nodes.eligible.get(name) or reports)
         plan = taints.plan_taints(
             name,
             health.action,
             health.max_tainted_fraction,
             members,
             sick,
-            self.store.nodes or {},
+            self.store.nodes.view(),
             live=live,
         )
         if not plan.empty:
             changed = await taints.apply_plan(self.kube, name, plan)
             metrics.TAINT_CHANGES.labels(network=name).inc(changed)
         note = plan.note(health.max_tainted_fraction, len(members))
-        if note != self.store.taint_notes.get(name, ""):
-            self.store.taint_notes[name] = note
+        if self.store.taints.notes.replace(name, note, ""):
             self.batch.mark(name)

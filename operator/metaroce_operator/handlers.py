@@ -1,10 +1,9 @@
 """The kopf registrations, and nothing else: each hands its work to the controller.
 
 Networks: create / update (of the spec) / resume run the reconcile; every watch event
-refreshes the controller's view (status, deletion). The children are only read, so they
-use `on.event`, which writes nothing to them: the DaemonSet's rollout feeds the status,
-and a child deleted or changed behind the operator's back is re-applied. NodeStates (one
-event per node) come through the controller's own `informer`, which costs far less CPU.
+refreshes the controller's view (status, deletion). The children and the NodeStates are
+only read: they come through the controller's own `informer`s on its loop and client
+(cheaper than kopf's per-object machinery, and no hop between threads).
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ from typing import Any, cast
 import kopf
 
 from metaroce_api import constants as c
-from metaroce_operator.kopfrun import Bridge
+from metaroce_operator.bridge import Bridge
 
 registry = kopf.OperatorRegistry()
 RETRY_BACKOFF = 5.0
@@ -41,21 +40,3 @@ async def reconcile(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
 @kopf.on.event(c.GROUP, c.VERSION, c.NETWORK_PLURAL, registry=registry)
 async def network_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     _bridge(memo).event(c.NETWORK_KIND, type, body)
-
-
-OURS = {c.MANAGED_BY_LABEL: c.MANAGED_BY}
-
-
-@kopf.on.event("apps", "v1", "daemonsets", labels=OURS, registry=registry)
-async def daemonset_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    _bridge(memo).event("DaemonSet", type, body)
-
-
-@kopf.on.event("", "v1", "configmaps", labels=OURS, registry=registry)
-@kopf.on.event("", "v1", "serviceaccounts", labels=OURS, registry=registry)
-@kopf.on.event("rbac.authorization.k8s.io", "v1", "clusterroles", labels=OURS, registry=registry)
-@kopf.on.event(
-    "rbac.authorization.k8s.io", "v1", "clusterrolebindings", labels=OURS, registry=registry
-)
-async def child_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    _bridge(memo).event(str(body.get("kind", "")), type, body)

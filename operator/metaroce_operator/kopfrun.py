@@ -6,79 +6,28 @@ lease renewal and the health server whenever leadership ends. On its own thread 
 skips signal handlers there) it can be started for a leadership term and stopped with a
 flag, while the controller, the lease and the HTTP endpoints live on the main loop.
 
-Handlers (see `handlers`) only hand watch events and reconcile calls over the `Bridge`.
+Handlers (see `handlers`) only hand watch events and reconcile calls over the `Bridge`
+(see `bridge`): this module imports the handlers, the handlers import only the bridge.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import threading
-from collections.abc import Callable, Mapping
-from typing import Any
 
 import kopf
 
 from metaroce_api.constants import GROUP
+from metaroce_operator import handlers
+from metaroce_operator.bridge import Bridge
 from metaroce_operator.claim import kopf_prefix
-from metaroce_operator.controller import Controller, PermanentFailure
-from metaroce_operator.kube import Credentials, NotLeader
 from metaroce_operator.settings import DEFAULT_NAMESPACE
 
 log = logging.getLogger("metaroce.operator.kopf")
 KOPF_ANNOTATION_PREFIX = f"operator.{GROUP}"
 """Prefix of the annotations kopf keeps on networks (last-handled configuration, progress)
 for the operator of the default namespace (others: `claim.kopf_prefix`)."""
-
-
-def plain(body: Mapping[str, Any]) -> dict[str, Any]:
-    """A deep copy of a kopf body as plain dicts (it crosses to another thread)."""
-    return copy.deepcopy({k: body[k] for k in body})
-
-
-class Bridge:
-    """Lets handlers on kopf's loop reach the controller on the main loop."""
-
-    def __init__(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        controller: Controller,
-        creds: Credentials,
-        gate: Callable[[], bool],
-    ) -> None:
-        self.loop = loop
-        self.controller = controller
-        self.creds = creds
-        self.gate = gate
-
-    def connection_info(self) -> kopf.ConnectionInfo:
-        return kopf.ConnectionInfo(
-            server=self.creds.server,
-            ca_path=self.creds.ca_path,
-            insecure=self.creds.insecure,
-            certificate_path=self.creds.cert_path,
-            private_key_path=self.creds.key_path,
-            scheme="Bearer" if self.creds.token() else None,
-            token=self.creds.token(),
-        )
-
-    def event(self, kind: str, event_type: str | None, body: Mapping[str, Any]) -> None:
-        """Hand a watch event over (non-blocking, keeps the order of the watch)."""
-        self.loop.call_soon_threadsafe(self.controller.on_event, kind, event_type, plain(body))
-
-    async def reconcile(self, body: Mapping[str, Any]) -> None:
-        """Run the controller's reconcile; a non-leader never acts and never lets kopf
-        record a failure (it waits to be cancelled by the stop)."""
-        if not self.gate():
-            await asyncio.Event().wait()
-        future = asyncio.run_coroutine_threadsafe(self.controller.reconcile(plain(body)), self.loop)
-        try:
-            await asyncio.wrap_future(future)
-        except NotLeader:
-            await asyncio.Event().wait()
-        except PermanentFailure as err:
-            raise kopf.PermanentError(str(err)) from None
 
 
 def kopf_settings(namespace: str = DEFAULT_NAMESPACE) -> kopf.OperatorSettings:
@@ -120,8 +69,6 @@ class KopfThread:
         self.thread.start()
 
     def _main(self) -> None:
-        from metaroce_operator import handlers
-
         try:
             asyncio.run(
                 kopf.operator(

@@ -82,7 +82,8 @@ class Observed:
     """The upgrade policy's state (upgrade.py); shown only when paused or a node holds."""
     holding: frozenset[str] = frozenset()
     """Nodes that hold off agent updates now (upgrade.py): one still configured and healthy
-    on an older config serves the network, so it keeps Ready as a current one would."""
+    on an older config serves the network, so it keeps Ready as a current one would. While
+    the network is paused (spec.agent.updateStrategy.paused) every node counts so."""
     cleanup: CleanupView | None = None
     error: tuple[str, str] | None = None
     """(reason, message) when the spec is invalid or rendering failed."""
@@ -108,6 +109,8 @@ def _short(text: str, limit: int = 1000) -> str:
 def _tally(obs: Observed) -> _Tally:
     t = _Tally()
     failing_unhealthy: list[FailingNode] = []
+    # A pause holds every node: none is replaced, each serves the config its agent runs.
+    paused = obs.network.spec.agent.update_strategy.paused
     for node in sorted(obs.reports):
         if obs.eligible is not None and node not in obs.eligible:
             continue
@@ -125,7 +128,7 @@ def _tally(obs: Observed) -> _Tally:
                 )
             )
             continue
-        if not current and node in obs.holding and report.phase == "Ready":
+        if not current and (node in obs.holding or paused) and report.phase == "Ready":
             verdict = obs.verdicts.get(node)
             if verdict is None or verdict.healthy:
                 t.held_serving += 1
@@ -270,12 +273,18 @@ def compute_status(
     # (a hold is a job asking for its node to stay as it is, not a failure).
     serving = t.healthy + t.held_serving
     ready_waiting = t.configured + t.held_serving + t.failed < desired
-    held_note = (
-        f"; {t.held_serving} of them hold off the agent update on an older config until "
-        "their deadline (status.agentUpdate)"
-        if t.held_serving
-        else ""
-    )
+    if not t.held_serving:
+        held_note = ""
+    elif network.spec.agent.update_strategy.paused:
+        held_note = (
+            f"; {t.held_serving} of them on an older config while agent updates are paused "
+            "(spec.agent.updateStrategy.paused)"
+        )
+    else:
+        held_note = (
+            f"; {t.held_serving} of them hold off the agent update on an older config until "
+            "their deadline (status.agentUpdate)"
+        )
     fraction = network.spec.health.ready_fraction
     needed = math.ceil(fraction * desired - 1e-9)  # 0.9 x 10 is 9.000000000000002
     members = f"kubectl get mrns -l {c.NETWORK_LABEL}={name}"

@@ -1,7 +1,7 @@
 """The agents' upgrade policy (issue 16 #17) against the real apiserver and DaemonSet
 controller: a node that holds off updates by label keeps its agent while the other
 nodes' agents are replaced; the hold shows in status and ends at its deadline; a paused
-network replaces no agent.
+network replaces no agent and stays Ready on the config its agents run.
 
 On b6733c0 (and until this fix) the DaemonSet is always RollingUpdate: a spec change
 restarts every agent, the one under a running job too."""
@@ -133,6 +133,11 @@ def test_a_paused_network_replaces_no_agent_issue_16_17(env: OperatorEnv) -> Non
                  timeout=30)  # fmt: skip
         wait_for("paused in status", lambda: _agent_update(env, "paused").get("paused") is True,
                  timeout=30)  # fmt: skip
+        # The agents still serve the config they run: a pause holds every node, so Ready
+        # stays True as for a node holding by label (it went False until the unpause).
+        ready = env.wait_condition("paused", c.CONDITION_READY, "True", generation=2)
+        message = next(x for x in ready["status"]["conditions"] if x["type"] == "Ready")["message"]
+        assert "on an older config while agent updates are paused" in message, message
         time.sleep(8)
         assert _pods(env, "paused") == before, "a paused network's agents were replaced"
 

@@ -332,3 +332,30 @@ def test_a_node_holding_off_the_update_on_its_older_config_keeps_ready() -> None
     failed = [*nodes[:2], report("c", phase="Failed", gen=1, error="apply: boom")]
     s = compute_status(replace(held, reports={r.node: r for r in failed}), None, T0)
     assert cond(s, c.CONDITION_READY) == ("False", c.REASON_NODES_FAILED)
+
+
+def test_a_paused_network_on_its_older_config_keeps_ready() -> None:
+    """A pause holds every node (no agent is replaced): after a config change the nodes
+    still serve the config their agents run, so Ready stays True, as for a node holding
+    by label; Progressing says the rollout waits, and the node counts count only nodes on
+    the current config. Unpaused, the same nodes are merely not updated yet."""
+    paused_net = network(agent={"updateStrategy": {"paused": True}})
+    on_delete = DaemonSetView(
+        generation=2, observed_generation=2, desired=3, current=3, updated=0, available=3, ready=3
+    )
+    nodes = [report(n, gen=1) for n in "abc"]
+    obs = observed(nodes, ds=on_delete, applied=2, config_gen=2, net=paused_net,
+                   eligible=frozenset("abc"))  # fmt: skip
+    s = compute_status(obs, None, T0)
+    assert cond(s, c.CONDITION_READY) == ("True", c.REASON_RECONCILED)
+    ready = next(x for x in s.conditions or [] if x.type == c.CONDITION_READY)
+    assert "3 of them on an older config while agent updates are paused" in ready.message
+    assert cond(s, c.CONDITION_PROGRESSING) == ("True", c.REASON_ROLLING_OUT)
+    assert s.nodes is not None and (s.nodes.configured, s.nodes.healthy) == (0, 0)
+    # A node whose agent failed does not serve, paused or not.
+    failed = [*nodes[:2], report("c", phase="Failed", gen=1, error="apply: boom")]
+    s = compute_status(replace(obs, reports={r.node: r for r in failed}), None, T0)
+    assert cond(s, c.CONDITION_READY) == ("False", c.REASON_NODES_FAILED)
+    # Not paused: the same reports are a rollout in progress.
+    s = compute_status(replace(obs, network=network()), None, T0)
+    assert cond(s, c.CONDITION_READY) == ("False", c.REASON_ROLLING_OUT)
