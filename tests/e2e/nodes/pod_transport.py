@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from conftest import Kube
+from conftest import REPO_ROOT, Kube
 
 from metaroce_harness.guest_transport import (
     BENCH_RXE_FLAGS,
@@ -352,3 +352,92 @@ def pod_clients(
         f"{time.monotonic() - t0:.1f} s; metaroce received {carried} B"
     )
     return figures
+
+
+# -- an Open MPI job spanning the two pods --------------------------------------------------
+
+MPI_LAUNCHER_SA = "mpi-launcher"
+MPI_CHECKS = REPO_ROOT / "transport" / "fabric" / "mpi_checks.py"
+
+
+def mpi_launcher_rbac(namespace: str) -> list[dict[str, Any]]:
+    """What an MPI operator gives its launcher pod: exec into the job's other pods."""
+    meta = {"name": MPI_LAUNCHER_SA, "namespace": namespace}
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": meta,
+            "rules": [
+                {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
+                {"apiGroups": [""], "resources": ["pods/exec"], "verbs": ["create", "get"]},
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": meta,
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                        "name": MPI_LAUNCHER_SA},
+            "subjects": [{"kind": "ServiceAccount", "name": MPI_LAUNCHER_SA,
+                          "namespace": namespace}],
+        },
+    ]  # fmt: skip
+
+
+def _kexec(namespace: str, pods: tuple[str, str], ips: tuple[str, str]) -> str:
+    """Open MPI's rsh agent, as MPI operators write it: `kexec HOST CMD...` runs CMD in the
+    pod with that address through `kubectl exec` (the launcher's ServiceAccount)."""
+    cases = "\n".join(f"  {ip}) pod={pod} ;;" for pod, ip in zip(pods, ips, strict=True))
+    return (
+        '#!/bin/sh\nhost=$1; shift\ncase "$host" in\n' + cases + "\n"
+        '  *) echo "kexec: no pod has address $host" >&2; exit 1 ;;\nesac\n'
+        f'exec /tmp/kubectl exec -i -n {namespace} "$pod" -- /bin/sh -c "$*"\n'
+    )
+
+
+def stage_mpi(kube: Kube, namespace: str, pods: tuple[str, str], ips: tuple[str, str]) -> None:
+    """kubectl and the rsh agent into the launcher (pods[0]); the mpi4py checks into both."""
+    launcher = pods[0]
+    kube.kubectl("cp", kube.kubectl_bin, f"{namespace}/{launcher}:/tmp/kubectl", timeout=300)
+    script = _kexec(namespace, pods, ips)
+    kube.kubectl(
+        "exec", "-i", "-n", namespace, launcher, "--", "sh", "-c",
+        "cat >/tmp/kexec && chmod 755 /tmp/kexec /tmp/kubectl", input=script,
+    )  # fmt: skip
+    for pod in pods:
+        kube.kubectl(
+            "exec", "-i", "-n", namespace, pod, "--", "sh", "-c",
+            "cat >/tmp/mpi_checks.py", input=MPI_CHECKS.read_text(),
+        )  # fmt: skip
+
+
+def pod_mpi(
+    kube: Kube, namespace: str, pods: tuple[str, str], ips: tuple[str, str], label: str
+) -> list[str]:
+    """An Open MPI job of 4 ranks, 2 in each pod, launched from pods[0] as an MPI operator
+    launches (mpirun, rsh agent `kubectl exec`), with `pml cm` and `mtl ofi` restricted to
+    the metaroce provider: the mpi4py semantics checks (pickled recv, ANY_SOURCE/ANY_TAG,
+    order, Cancel, truncation, Issend, allreduce), data checked, and the pods' metaroce
+    counters showing the bytes (Open MPI falls back silently too)."""
+    before = (_stats(kube, namespace, pods[0]), _stats(kube, namespace, pods[1]))
+    t0 = time.monotonic()
+    mpirun = (
+        "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 "
+        f"timeout 600 mpirun -np 4 -H {ips[0]}:2,{ips[1]}:2 --mca plm_rsh_agent /tmp/kexec "
+        "--mca routed direct --mca oob_tcp_if_include eth0 "
+        "--mca pml cm --mca mtl ofi --mca mtl_ofi_provider_include metaroce "
+        "-x OMPI_ALLOW_RUN_AS_ROOT -x OMPI_ALLOW_RUN_AS_ROOT_CONFIRM "
+        "python3 /tmp/mpi_checks.py semantics --skip large"
+    )
+    run = kube.kubectl(
+        "exec", "-n", namespace, pods[0], "--", "sh", "-c", mpirun, check=False, timeout=660
+    )
+    out = run.stdout + run.stderr
+    assert run.returncode == 0 and "ALL OK" in out, f"Open MPI across the pods ({label}):\n{out}"
+    after = (_stats(kube, namespace, pods[0]), _stats(kube, namespace, pods[1]))
+    carried = [_new_bytes(x, y) for x, y in zip(before, after, strict=True)]
+    assert min(carried) > 0, ("Open MPI bytes not on metaroce", carried, out)
+    checks = [line.split(" ", 1)[1] for line in out.splitlines() if line.startswith("OK ")]
+    return [
+        f"Open MPI (4 ranks, 2 per pod, mpirun with a kubectl-exec rsh agent, pml cm, mtl ofi, "
+        f"metaroce) between the pods ({label}): ALL OK ({len(checks)} checks), "
+        f"{time.monotonic() - t0:.1f} s; metaroce received {carried} B"
+    ]

@@ -882,11 +882,15 @@ def test_5_metaroce_network_rolls_out_and_pods_get_the_library(
     kube.kubectl("delete", "metarocenetwork", NETWORK, "--ignore-not-found", timeout=240)
     kube.kubectl("apply", "-f", "-", input=_metaroce_network())
     try:
-        took = _wait(
-            "metaroce NodeStates Ready on both nodes",
-            lambda: _mr_ready_nodes(kube) == sorted(nodes),
-            420,
-        )
+        try:
+            took = _wait(
+                "metaroce NodeStates Ready on both nodes",
+                lambda: _mr_ready_nodes(kube) == sorted(nodes),
+                420,
+            )
+        except AssertionError:
+            _print_revert_state(kube)  # what each node reports, and its agent's log
+            raise
         figures.append(f"metaroce network: NodeStates Ready {took:.1f} s after apply")
         _wait(
             f"{MR_RESOURCE} advertised by both nodes",
@@ -914,12 +918,13 @@ def test_5_metaroce_network_rolls_out_and_pods_get_the_library(
 
         kube.kubectl("create", "namespace", MR_POD_NAMESPACE, check=False)
         names = ("mr-a", "mr-b")
-        docs = []
+        docs = pod_transport.mpi_launcher_rbac(MR_POD_NAMESPACE)
         for name, node in zip(names, nodes, strict=True):
             doc = _training_pod(name, node, kube.test_image)
             doc["metadata"]["namespace"] = MR_POD_NAMESPACE
             doc["metadata"]["annotations"] = {constants.NETWORKS_ANNOTATION: MR_NETWORK}
             docs.append(doc)
+        docs[-2]["spec"]["serviceAccountName"] = pod_transport.MPI_LAUNCHER_SA  # mr-a launches
         kube.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
 
         def get(name: str) -> dict[str, Any]:
@@ -986,9 +991,9 @@ def test_5_metaroce_network_rolls_out_and_pods_get_the_library(
         took = _wait("the pods' transport counters in the agents' /metrics", exported, 60, 2)
         figures.append(f"metaroce: the pods' stats exported by the agents {took:.1f} s after")
         assert received >= result["bytes"], (received, result)
-        figures.extend(
-            pod_transport.pod_clients(kube, MR_POD_NAMESPACE, names, (ip_a, ip_b), "lossless")
-        )
+        pod_transport.stage_mpi(kube, MR_POD_NAMESPACE, names, (ip_a, ip_b))
+        for clients in (pod_transport.pod_clients, pod_transport.pod_mpi):
+            figures.extend(clients(kube, MR_POD_NAMESPACE, names, (ip_a, ip_b), "lossless"))
         if real is not None and real.guests is not None:
             figures.extend(_tos_and_agent_restart(kube, real.guests, names, (ip_a, ip_b)))
 
@@ -1015,9 +1020,10 @@ def test_5_metaroce_network_rolls_out_and_pods_get_the_library(
             try:  # the real clients again, under 1% loss each way (netem on both nodes)
                 for g in real.guests[:2]:
                     set_netem(g, 1.0, pod_transport.NETEM_DELAY_MS)
-                figures.extend(pod_transport.pod_clients(
-                    kube, MR_POD_NAMESPACE, names, (ip_a, ip_b), "1% netem loss"
-                ))  # fmt: skip
+                for clients in (pod_transport.pod_clients, pod_transport.pod_mpi):
+                    figures.extend(
+                        clients(kube, MR_POD_NAMESPACE, names, (ip_a, ip_b), "1% netem loss")
+                    )
             finally:
                 for g in real.guests[:2]:
                     clear_qdisc(g)
