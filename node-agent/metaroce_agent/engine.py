@@ -167,6 +167,17 @@ class ApplyResult:
     seconds: float = 0.0
     changed: int = 0
     """Steps that were actually applied (not already in the desired state)."""
+    in_force: list[Step] = field(default_factory=list)
+    """After a failed pass: the journaled steps at their last verified value (what the
+    node runs on now); empty after a pass that verified (then `applied` says it)."""
+    left_off: list[Step] = field(default_factory=list)
+    """After a failed pass whose rollback failed too: the steps left off their last
+    verified value (or, never verified, off their original); retried by the next pass."""
+
+    @property
+    def rollback_incomplete(self) -> bool:
+        """A failed pass that could not put the node back to its last verified state."""
+        return not self.ok and bool(self.left_off)
 
 
 @dataclass
@@ -199,10 +210,16 @@ class Engine:
     def apply(self, plan: Plan) -> ApplyResult:
         start = time.monotonic()
         if not plan.ok:
+            # nothing is applied, but what an earlier failed rollback left is retried
+            rolled, undo_errors = self._restore(self._left_off(set()))
             return ApplyResult(
                 ok=False,
                 error="; ".join(f"{e.where}: {e.message}" for e in plan.errors),
+                rolled_back=rolled,
+                undo_errors=undo_errors,
                 seconds=time.monotonic() - start,
+                in_force=self._in_force(),
+                left_off=[e.step for e in self._unverified()],
             )
         done: list[Step] = []
         changes: list[tuple[Step, Step | None]] = []
@@ -240,7 +257,9 @@ class Engine:
                     error,
                     len(changes),
                 )
-                rolled, undo_errors = self._restore(changes)
+                # and what an earlier failed rollback left off its verified value
+                earlier = self._left_off({s.id for s, _ in changes})
+                rolled, undo_errors = self._restore(earlier + changes)
                 return ApplyResult(
                     ok=False,
                     applied=[],
@@ -250,6 +269,8 @@ class Engine:
                     undo_errors=undo_errors,
                     seconds=time.monotonic() - start,
                     changed=len(changes),
+                    in_force=self._in_force(),
+                    left_off=[e.step for e in self._unverified()],
                 )
         failpoint("apply.before_commit")  # every step verified, not yet journaled as such
         self.journal.commit(done)
@@ -274,6 +295,30 @@ class Engine:
                 errors.append(f"undo {entry.step.name} (no longer planned): {e}")
                 log.error("undo %s failed: %s", entry.step.name, e)
         return errors
+
+    def _unverified(self) -> list[JournalEntry]:
+        """Journal entries off their last verified step: applied by a pass that failed
+        and whose rollback failed too (or by one a kill cut short)."""
+        return [e for e in self.journal.entries.values() if e.step != e.verified]
+
+    def _left_off(self, exclude: set[str]) -> list[tuple[Step, Step | None]]:
+        """(step, its last verified version) of the unverified entries not in `exclude`,
+        for `_restore`: an earlier rollback that failed is retried with this one."""
+        return [(e.step, e.verified) for e in self._unverified() if e.step.id not in exclude]
+
+    def _in_force(self) -> list[Step]:
+        """The journaled steps at their last verified value that read back so: the state
+        the node runs on after a failed pass."""
+        out = []
+        for e in self.journal.entries.values():
+            if e.verified is None or e.step != e.verified:
+                continue
+            try:
+                if e.verified.verify(self.host) is None:
+                    out.append(e.verified)
+            except Exception as err:  # a knob that cannot be read is not reported in force
+                log.warning("reading back %s: %s", e.verified.name, err)
+        return out
 
     def _restore(self, changes: list[tuple[Step, Step | None]]) -> tuple[list[str], list[str]]:
         """Put each changed step back to its last verified version, newest first; a step

@@ -347,12 +347,18 @@ class Agent:
             elif not result.ok:
                 where = f"apply {result.failed_step.name}" if result.failed_step else "apply"
                 rolled = ", ".join(result.rolled_back) or "nothing"
-                errors.append(
-                    (where, f"{result.error}; rolled back to the last verified state: {rolled}")
-                )
-                errors += [("rollback", e) for e in result.undo_errors]
-            else:
-                errors += [("apply", e) for e in result.undo_errors]
+                if result.rollback_incomplete:
+                    left = ", ".join(s.name for s in result.left_off)
+                    why = (
+                        f"rollback incomplete (retrying): {left} left off the last verified "
+                        f"state; rolled back: {rolled}"
+                    )
+                else:
+                    why = f"rolled back to the last verified state: {rolled}"
+                errors.append((where, f"{result.error}; {why}"))
+            if result.undo_errors:  # a plan that cannot apply still retries a rollback
+                where = "apply" if result.ok else "rollback"
+                errors += [(where, e) for e in result.undo_errors]
             if result.ok and not st.plan.problems:
                 st.failures, st.next_retry = 0, None
             else:

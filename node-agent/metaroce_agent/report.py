@@ -61,6 +61,8 @@ REASON_APPLY_FAILED = constants.NODESTATE_REASON_APPLY_FAILED
 REASON_PLAN_BLOCKED = constants.NODESTATE_REASON_PLAN_BLOCKED
 REASON_REVERTED = constants.NODESTATE_REASON_REVERTED
 REASON_PENDING = constants.NODESTATE_REASON_PENDING
+REASON_ROLLBACK_INCOMPLETE = constants.NODESTATE_REASON_ROLLBACK_INCOMPLETE
+REASON_REVERT_INCOMPLETE = constants.NODESTATE_REASON_REVERT_INCOMPLETE
 
 
 def now() -> datetime:
@@ -191,13 +193,12 @@ def build_status(
         extra.set([(e.step, e.message) for e in errs] + device_problems)
         errs = extra.items
 
-    still = (
-        revert_left
-        if revert_left is not None
-        else result.applied
-        if result and result.ok and not reverted
-        else []
-    )
+    still: Sequence[Step] = []
+    if revert_left is not None:
+        still = revert_left
+    elif result is not None and not reverted:
+        # after a failed pass, the last verified state it restored is what is in force
+        still = result.applied if result.ok else result.in_force
     applied = [
         AppliedKnob(name=s.knob, device=s.device, value=s.value()[:256], method=s.method)
         for s in still
@@ -213,11 +214,19 @@ def build_status(
     elif reverting:
         phase, reason, msg = "Reverting", REASON_REVERTED, "reverting node settings"
     elif revert_failed:
-        phase, reason = "Degraded", REASON_DEGRADED
+        phase, reason = "Degraded", REASON_REVERT_INCOMPLETE
         msg = "revert incomplete (retrying): " + "; ".join(e.message for e in errs)
         msg = msg[:2000]
     elif plan is None or result is None:
         phase, reason, msg = "Pending", REASON_PENDING, "not applied yet"
+    elif result.rollback_incomplete:
+        phase, reason = "Degraded", REASON_ROLLBACK_INCOMPLETE
+        where = result.failed_step.name if result.failed_step else "apply"
+        left = ", ".join(s.name for s in result.left_off)
+        msg = (
+            f"rollback incomplete (retrying with backoff): {where} failed: {result.error}; "
+            f"left off their last verified values: {left}; " + "; ".join(result.undo_errors)
+        )[:2000]
     elif not plan.ok:
         phase, reason = "Failed", REASON_PLAN_BLOCKED
         msg = "; ".join(f"{e.where}: {e.message}" for e in plan.errors)

@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from metaroce_api import MetaRoceNodeStateStatus, ProbeSpec
+from metaroce_api.constants import CONDITION_READY
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,10 @@ class NodeReport:
     probe_healthy: bool | None = None
     peers: tuple[PeerResult, ...] = ()
     reverted: bool = False
+    ready_reason: str = ""
+    """The reason of the NodeState's Ready condition (`NODESTATE_REASON_*`): tells a
+    rollback or revert the agent has not finished from a node that is Degraded but runs
+    its config."""
     transport: str = "none"
     netdevs: tuple[str, ...] = ()
     nics: tuple[ReportedNic, ...] = ()
@@ -121,6 +126,9 @@ class NodeReport:
             probe_healthy=probe_healthy,
             peers=peers,
             reverted=status.reverted,
+            ready_reason=next(
+                (c.reason for c in status.conditions or [] if c.type == CONDITION_READY), ""
+            ),
             transport=status.transport.mode if status.transport else "none",
             netdevs=tuple(sorted(d.netdev for d in status.inventory or [])),
             nics=tuple(

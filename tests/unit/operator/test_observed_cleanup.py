@@ -42,6 +42,28 @@ def test_nodestate_report() -> None:
     assert report.created == T0
 
 
+def test_nodestate_report_carries_the_ready_reason() -> None:
+    """What tells an unfinished rollback from a node Degraded but configured."""
+    body = minimal_nodestate("net", "node-a")
+    body["status"] = {
+        "phase": "Degraded",
+        "conditions": [
+            {
+                "type": "Ready",
+                "status": "False",
+                "reason": c.NODESTATE_REASON_ROLLBACK_INCOMPLETE,
+                "message": "rollback incomplete (retrying with backoff): ...",
+                "lastTransitionTime": "2026-01-01T00:00:00Z",
+            }
+        ],
+    }
+    report = NodeReport.from_body(body)
+    assert report is not None and report.ready_reason == c.NODESTATE_REASON_ROLLBACK_INCOMPLETE
+    body["status"] = {"phase": "Ready"}
+    report = NodeReport.from_body(body)
+    assert report is not None and report.ready_reason == ""
+
+
 def test_unparseable_status_counts_as_failed_report() -> None:
     body = minimal_nodestate("net", "node-a")
     body["status"] = {"phase": "Exploded"}

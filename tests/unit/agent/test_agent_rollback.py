@@ -1,0 +1,152 @@
+"""A failed re-apply reports what is in force; a failed rollback is Degraded and retried.
+
+After a re-apply (config B over a verified config A) fails and is rolled back, the node
+runs A: the NodeState lists A's knobs as applied. When the rollback fails too, the node
+runs neither: the NodeState says Degraded with reason RollbackIncomplete (which the
+operator counts as failed, never configured), names the knobs left off A's values, and
+every later attempt retries that rollback first, whatever step it fails on, until the
+node is back on A. Never a fall back to the pre-agent state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import make_config
+from fakes import fixture_agent, softroce_node
+
+from metaroce_agent.loop import Agent
+from metaroce_api import MetaRoceNodeStateStatus, constants, failpoints
+
+TOS = "/sys/kernel/config/rdma_cm/rxe_eth0/ports/1/default_roce_tos"
+MTU = "/sys/class/net/eth0/mtu"
+
+
+def softroce_cfg(mtu: int, dscp: int, generation: int):  # type: ignore[no-untyped-def]
+    return make_config(
+        nics={"interfaceNames": ["eth0"]},
+        transport={"mode": "softroce", "mtu": mtu},
+        qos={"data": {"dscp": dscp}},
+        generation=generation,
+    )
+
+
+@pytest.fixture
+def faults() -> Iterator[None]:
+    """Failpoints set by the test, cleared after it."""
+    yield
+    failpoints.reset("")
+
+
+def _agent_on_a(tmp_path: Path) -> Agent:
+    tree, kernel = softroce_node(tmp_path / "root")
+    agent = fixture_agent(tmp_path, tree, kernel, softroce_cfg(1400, 26, 3))
+    assert agent.apply_pass().ok
+    assert agent.host.read(MTU) == "1400" and agent.host.read(TOS) == "104"
+    agent.config = softroce_cfg(1300, 34, 4)  # config B, as after a reload
+    return agent
+
+
+def _applied(status: MetaRoceNodeStateStatus | None) -> dict[str, str]:
+    assert status is not None
+    return {k.name: k.value for k in (status.qos.applied or [])} if status.qos else {}
+
+
+def _ready(status: MetaRoceNodeStateStatus | None) -> tuple[str, str]:
+    assert status is not None and status.conditions
+    ready = next(c for c in status.conditions if c.type == "Ready")
+    return ready.reason, ready.message
+
+
+def _marked_dscp(agent: Agent) -> set[int]:
+    kernel = agent.host.runner
+    table = kernel.tc_filters.get(("eth0", "egress"), {})  # type: ignore[attr-defined]
+    vals = set()
+    for entry in table.values():
+        for action in entry["options"]["actions"]:
+            if action["kind"] == "pedit":
+                vals.add(int(action["keys"][0]["val"], 16) >> 16 >> 2)
+    return vals
+
+
+def test_a_rolled_back_reapply_lists_the_verified_knobs_in_force(
+    tmp_path: Path, faults: None
+) -> None:
+    agent = _agent_on_a(tmp_path)
+    ready_on_a = _applied(agent.state.status)
+    failpoints.reset("apply.step.roce-tos=1:error")
+    result = agent.apply_pass()
+    assert not result.ok and not result.rollback_incomplete
+    status = agent.state.status
+    assert status is not None and status.phase == "Failed"
+    assert _ready(status)[0] == constants.NODESTATE_REASON_APPLY_FAILED
+    # the node runs A again, and the NodeState says so, knob by knob
+    assert agent.host.read(MTU) == "1400" and _marked_dscp(agent) == {26}
+    assert _applied(status) == ready_on_a
+    assert ready_on_a["mtu"] == "1400" and ready_on_a["roce-tos"].startswith("104 ")
+
+
+def test_a_failed_rollback_is_degraded_and_retried_until_the_verified_state(
+    tmp_path: Path, faults: None
+) -> None:
+    agent = _agent_on_a(tmp_path)
+    ready_on_a = _applied(agent.state.status)
+
+    # B fails at the ToS, and putting the marking back to A's DSCP fails too
+    failpoints.reset("apply.step.roce-tos=1:error,restore.step.tc-mark=1:error")
+    result = agent.apply_pass()
+    assert result.rollback_incomplete
+    assert [s.name for s in result.left_off] == ["dscp-mark on eth0"]
+    assert agent.host.read(MTU) == "1400" and _marked_dscp(agent) == {34}
+    status = agent.state.status
+    assert status is not None and status.phase == "Degraded"
+    reason, message = _ready(status)
+    assert reason == constants.NODESTATE_REASON_ROLLBACK_INCOMPLETE
+    assert reason in constants.NODESTATE_INCOMPLETE_REASONS
+    assert "rollback incomplete (retrying" in message and "dscp-mark on eth0" in message
+    # applied: what holds A's values; the marking, off A's value, is not listed
+    assert _applied(status) == {k: v for k, v in ready_on_a.items() if k != "dscp-mark"}
+    assert agent.state.next_retry is not None, "a failed rollback is retried"
+    assert not agent.ready()[0]
+
+    # the next attempt fails earlier (at the MTU, its first step): the marking still goes
+    # back to A's value, not to the pre-agent state and not left at B's
+    failpoints.reset("apply.step.mtu=1:error")
+    result = agent.apply_pass()
+    assert not result.ok and not result.rollback_incomplete, result.undo_errors
+    assert "dscp-mark on eth0" in result.rolled_back
+    assert agent.host.read(MTU) == "1400" and _marked_dscp(agent) == {26}
+    assert agent.host.read(TOS) == "104"
+    status = agent.state.status
+    assert status is not None and status.phase == "Failed"
+    assert _ready(status)[0] == constants.NODESTATE_REASON_APPLY_FAILED
+    assert _applied(status) == ready_on_a
+
+    # once nothing fails, B applies
+    failpoints.reset("")
+    assert agent.apply_pass().ok
+    assert agent.host.read(MTU) == "1300" and _marked_dscp(agent) == {34}
+    assert agent.state.status is not None and agent.state.status.phase == "Ready"
+
+
+def test_a_plan_that_cannot_apply_still_retries_a_failed_rollback(
+    tmp_path: Path, faults: None
+) -> None:
+    """A device gone (a plan with errors) applies nothing, but what a failed rollback
+    left off the verified state is put back all the same."""
+    agent = _agent_on_a(tmp_path)
+    failpoints.reset("apply.step.roce-tos=1:error,restore.step.tc-mark=1:error")
+    assert agent.apply_pass().rollback_incomplete
+    failpoints.reset("")
+    agent.config = make_config(
+        nics={"interfaceNames": ["eth9"]}, transport={"mode": "softroce"}, generation=5
+    )
+    result = agent.apply_pass()
+    assert agent.state.plan is not None and not agent.state.plan.ok
+    assert not result.ok and not result.rollback_incomplete, result.undo_errors
+    assert _marked_dscp(agent) == {26}
+    status = agent.state.status
+    assert status is not None and status.phase == "Failed"
+    assert _ready(status)[0] == constants.NODESTATE_REASON_PLAN_BLOCKED
