@@ -12,11 +12,18 @@ with cleanupOnDelete, undo exactly what was done, restoring what was there befor
   or the read-back differs) stops the pass and restores the last verified state: the
   steps this pass changed, the failed one included, go back in reverse order to their
   last verified value (a step that was never verified goes back to its original
-  snapshot and leaves the journal); steps this pass did not change are not touched; the
-  result names the failed step and why. Journal entries whose step is no longer
-  planned (a knob the new config drops) are undone only once the whole pass verified.
+  snapshot and leaves the journal); steps this pass did not change are not touched, nor
+  is a knob that still reads as its target (the failed apply changed nothing: on a
+  read-only configfs, removing a directory that is not there would fail); the result
+  names the failed step and why. Only knobs that really read off their last verified
+  (or original) value count as left off (`ApplyResult.left_off`: Degraded,
+  RollbackIncomplete) and are retried by the next pass. Journal entries whose step is no
+  longer planned (a knob the new config drops) are undone only once the whole pass
+  verified.
 - `drift(plan)`: reads every journaled step back; re-applies what differs and counts it.
-- `revert()`: undoes the whole journal in reverse; entries that fail stay journaled.
+- `revert()`: undoes the whole journal in reverse; a knob already at its original is only
+  dropped from the journal (a revert never retries undoing what is already undone);
+  entries that fail stay journaled.
 
 The journal is written atomically (temporary file, fsync, rename, fsync of the
 directory). One that cannot be read is moved aside (`journal.json.corrupt-<time>`, for
@@ -211,15 +218,14 @@ class Engine:
         start = time.monotonic()
         if not plan.ok:
             # nothing is applied, but what an earlier failed rollback left is retried
-            rolled, undo_errors = self._restore(self._left_off(set()))
+            rolled, undo_errors = self._restore(self._unsettled(set()))
             return ApplyResult(
                 ok=False,
                 error="; ".join(f"{e.where}: {e.message}" for e in plan.errors),
                 rolled_back=rolled,
                 undo_errors=undo_errors,
                 seconds=time.monotonic() - start,
-                in_force=self._in_force(),
-                left_off=[e.step for e in self._unverified()],
+                **self._after_failure(),
             )
         done: list[Step] = []
         changes: list[tuple[Step, Step | None]] = []
@@ -258,7 +264,7 @@ class Engine:
                     len(changes),
                 )
                 # and what an earlier failed rollback left off its verified value
-                earlier = self._left_off({s.id for s, _ in changes})
+                earlier = self._unsettled({s.id for s, _ in changes})
                 rolled, undo_errors = self._restore(earlier + changes)
                 return ApplyResult(
                     ok=False,
@@ -269,8 +275,7 @@ class Engine:
                     undo_errors=undo_errors,
                     seconds=time.monotonic() - start,
                     changed=len(changes),
-                    in_force=self._in_force(),
-                    left_off=[e.step for e in self._unverified()],
+                    **self._after_failure(),
                 )
         failpoint("apply.before_commit")  # every step verified, not yet journaled as such
         self.journal.commit(done)
@@ -288,7 +293,8 @@ class Engine:
         for entry in reversed(stale):
             log.info("undo %s: no longer planned", entry.step.name)
             try:
-                entry.step.undo(self.host, entry.snapshot)
+                if not self._reads_as(entry, None):
+                    entry.step.undo(self.host, entry.snapshot)
                 failpoint("apply.stale.after_undo")  # undone, still journaled
                 self.journal.drop(entry.step.id)
             except Exception as e:
@@ -296,15 +302,42 @@ class Engine:
                 log.error("undo %s failed: %s", entry.step.name, e)
         return errors
 
-    def _unverified(self) -> list[JournalEntry]:
-        """Journal entries off their last verified step: applied by a pass that failed
-        and whose rollback failed too (or by one a kill cut short)."""
-        return [e for e in self.journal.entries.values() if e.step != e.verified]
+    def _reads_as(self, entry: JournalEntry, target: Step | None) -> bool:
+        """Whether `entry`'s knob reads back as `target` (a step), or with None, as the
+        original snapshot the journal holds. A knob that cannot be read does not."""
+        try:
+            if target is None:
+                return entry.step.at_snapshot(self.host, entry.snapshot)
+            return target.verify(self.host) is None
+        except Exception as e:
+            log.warning("reading back %s: %s", entry.step.name, e)
+            return False
 
-    def _left_off(self, exclude: set[str]) -> list[tuple[Step, Step | None]]:
-        """(step, its last verified version) of the unverified entries not in `exclude`,
-        for `_restore`: an earlier rollback that failed is retried with this one."""
-        return [(e.step, e.verified) for e in self._unverified() if e.step.id not in exclude]
+    def _unverified(self) -> list[JournalEntry]:
+        """Journal entries whose knob really is off its last verified value (never
+        verified: off its original): a pass failed and its rollback failed too, or a kill
+        cut a pass short. An entry journaled by a pass that failed before it changed the
+        knob (its apply raised, its knob reads as before) is not left off."""
+        return [
+            e
+            for e in self.journal.entries.values()
+            if e.step != e.verified and not self._reads_as(e, e.verified)
+        ]
+
+    def _unsettled(self, exclude: set[str]) -> list[tuple[Step, Step | None]]:
+        """(step, its last verified version) of the entries journaled off their verified
+        step and not in `exclude`, for `_restore`: an earlier rollback that failed is
+        retried with this one, and one whose knob reads right has its journal settled."""
+        return [
+            (e.step, e.verified)
+            for e in self.journal.entries.values()
+            if e.step != e.verified and e.step.id not in exclude
+        ]
+
+    def _after_failure(self) -> dict[str, Any]:
+        """What a failed pass left (ApplyResult fields): the knobs in force, those left
+        off."""
+        return {"in_force": self._in_force(), "left_off": [e.step for e in self._unverified()]}
 
     def _in_force(self) -> list[Step]:
         """The journaled steps at their last verified value that read back so: the state
@@ -322,8 +355,9 @@ class Engine:
 
     def _restore(self, changes: list[tuple[Step, Step | None]]) -> tuple[list[str], list[str]]:
         """Put each changed step back to its last verified version, newest first; a step
-        never verified goes back to its original snapshot. A step whose verified version
-        still holds (the failed apply had no effect) is not touched."""
+        never verified goes back to its original snapshot. A knob that already reads so
+        (the failed apply had no effect) is not touched: only its journal entry is
+        settled, so nothing that never changed can fail to roll back."""
         rolled: list[str] = []
         errors: list[str] = []
         for step, previous in reversed(changes):
@@ -331,18 +365,22 @@ class Engine:
             if entry is None:
                 continue
             try:
-                failpoint(f"restore.step.{step.kind}")  # the fault tier's failing rollback
-                if previous is None:
+                if self._reads_as(entry, previous):
+                    log.info("%s still reads as before this pass: nothing to restore", step.name)
+                elif previous is None:
+                    failpoint(f"restore.step.{step.kind}")  # the fault tier's failing rollback
                     step.undo(self.host, entry.snapshot)
                     failpoint("restore.after_step")  # undone, still journaled
+                else:
+                    failpoint(f"restore.step.{step.kind}")
+                    previous.apply(self.host)
+                    problem = previous.verify(self.host)
+                    if problem is not None:
+                        raise StepError(f"read back after restoring: {problem}")
+                    failpoint("restore.after_step")  # restored, journal still says the new step
+                if previous is None:
                     self.journal.drop(step.id)
                 else:
-                    if previous.verify(self.host) is not None:
-                        previous.apply(self.host)
-                        problem = previous.verify(self.host)
-                        if problem is not None:
-                            raise StepError(f"read back after restoring: {problem}")
-                    failpoint("restore.after_step")  # restored, journal still says the new step
                     self.journal.put(previous, entry.snapshot, previous, entry.original_known)
                 rolled.append(step.name)
             except Exception as e:
@@ -395,9 +433,12 @@ class Engine:
                 self.journal.drop(entry.step.id)
                 continue
             try:
-                failpoint(f"revert.step.{entry.step.kind}")  # the fault tier's failing undo
-                entry.step.undo(self.host, entry.snapshot)
-                failpoint("revert.after_step")  # undone, still journaled
+                if self._reads_as(entry, None):  # never applied, or already put back
+                    log.info("revert %s: already as before the agent", entry.step.name)
+                else:
+                    failpoint(f"revert.step.{entry.step.kind}")  # the fault tier's failing undo
+                    entry.step.undo(self.host, entry.snapshot)
+                    failpoint("revert.after_step")  # undone, still journaled
                 result.undone.append(entry.step.name)
                 self.journal.drop(entry.step.id)
             except Exception as e:

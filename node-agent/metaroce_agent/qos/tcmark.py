@@ -58,6 +58,7 @@ def filters(host: Host, dev: str, direction: str) -> list[dict[str, Any]]:
 @dataclass(frozen=True)
 class ClsactStep(Step):
     kind = "tc-clsact"
+    snapshot_is_state = True
     knob = "tc-clsact"
     method = "tc"
     report = False
@@ -183,6 +184,10 @@ class EgressMarkStep(Step):
         if have_prio != self.priority:
             problems.append(f"sets priority {have_prio}, want {self.priority}")
         return (f"{self.what} " + "; ".join(problems)) if problems else None
+
+    def at_snapshot(self, host: Host, snapshot: Json) -> bool:
+        # before the agent there is no filter with its handle at its pref
+        return self._ours(host)[0] is None
 
     def undo(self, host: Host, snapshot: Json) -> None:
         mine, _ = self._ours(host)

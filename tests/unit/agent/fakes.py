@@ -371,10 +371,14 @@ class FixtureNetlink:
 class FixtureHost(Host):
     """A Host over a fixture tree whose configfs behaves like rdma_cm's.
 
-    `unwritable` holds host paths whose writes fail (EACCES), to make a step fail.
+    `unwritable` holds host paths whose writes fail (EACCES), to make a step fail;
+    `read_only` host directories mounted read-only (`mount -o ro`): creating, removing or
+    writing anything under them fails with EROFS before any lookup, so removing what is
+    not there fails too, as rmdir(2) does on a read-only mount.
     """
 
     unwritable: set[str]
+    read_only: set[str]
 
     uses_kernel = False
 
@@ -384,13 +388,20 @@ class FixtureHost(Host):
         kwargs.setdefault("netlink", FixtureNetlink(self))
         super().__init__(root, runner, **kwargs)
         self.unwritable = set()
+        self.read_only = set()
+
+    def _refuse_on_read_only(self, path: str, what: str) -> None:
+        if any(path == top or path.startswith(f"{top}/") for top in self.read_only):
+            raise HostError(f"cannot {what} {path}: Read-only file system")
 
     def write(self, path: str, value: str) -> None:
         if path in self.unwritable:
             raise HostError(f"cannot write {value!r} to {path}: Permission denied")
+        self._refuse_on_read_only(path, f"write {value!r} to")
         super().write(path, value)
 
     def mkdir(self, path: str) -> None:
+        self._refuse_on_read_only(path, "create")
         super().mkdir(path)
         prefix = "/sys/kernel/config/rdma_cm/"
         if path.startswith(prefix) and "/" not in path[len(prefix) :]:
@@ -402,6 +413,7 @@ class FixtureHost(Host):
                 (pdir / "default_roce_tos").write_text("0\n")
 
     def rmdir(self, path: str) -> None:
+        self._refuse_on_read_only(path, "remove")
         shutil.rmtree(self.path(path), ignore_errors=True)
 
 

@@ -150,3 +150,41 @@ def test_a_plan_that_cannot_apply_still_retries_a_failed_rollback(
     status = agent.state.status
     assert status is not None and status.phase == "Failed"
     assert _ready(status)[0] == constants.NODESTATE_REASON_PLAN_BLOCKED
+
+
+CM = "/sys/kernel/config/rdma_cm"
+
+
+def test_a_first_apply_that_changed_nothing_at_its_failed_step_is_apply_failed(
+    tmp_path: Path,
+) -> None:
+    """The e2e case (test_failed_step_rolls_back_and_is_reported): rdma_cm's configfs is
+    mounted read-only, so the first apply fails creating the device's directory, and
+    removing that directory fails as well (EROFS comes before the lookup), although the
+    step changed nothing. Only knobs that differ from their last verified (here:
+    pre-agent) value are left off: the node reads ApplyFailed, not RollbackIncomplete,
+    what the pass made before is undone, and nothing stays journaled."""
+    tree, kernel = softroce_node(tmp_path / "root")
+    tree.configfs()
+    agent = fixture_agent(tmp_path, tree, kernel, softroce_cfg(1400, 26, 3))
+    agent.host.read_only.add(CM)  # type: ignore[attr-defined]
+    result = agent.apply_pass()
+    assert not result.ok and result.failed_step is not None
+    assert result.failed_step.name == "rdma-cm-configfs on rxe_eth0"
+    assert "Read-only file system" in result.error
+    assert not result.rollback_incomplete, (result.left_off, result.undo_errors)
+    assert result.undo_errors == []
+    status = agent.state.status
+    assert status is not None and status.phase == "Failed"
+    reason, message = _ready(status)
+    assert reason == constants.NODESTATE_REASON_APPLY_FAILED, message
+    # nothing half-applied: the rxe link and the marking the pass made are undone
+    assert not agent.host.exists("/sys/class/infiniband/rxe_eth0")
+    assert _marked_dscp(agent) == set()
+    assert len(agent.engine.journal) == 0
+    assert agent.state.next_retry is not None, "a failed apply is retried"
+
+    # the revert that follows (the network deleted with cleanupOnDelete) completes
+    agent.revert()
+    assert agent.state.reverted
+    assert agent.state.status is not None and agent.state.status.phase == "Reverted"
