@@ -43,6 +43,7 @@ from typing import Any
 from metaroce_agent.host import Host, HostError
 from metaroce_agent.plan import Plan
 from metaroce_agent.steps import Json, Step, StepError, step_from_record
+from metaroce_agent.transport.library import MetaRoceLibraryStep
 from metaroce_api.failpoints import failpoint
 
 log = logging.getLogger("metaroce.agent.engine")
@@ -180,6 +181,11 @@ class ApplyResult:
     left_off: list[Step] = field(default_factory=list)
     """After a failed pass whose rollback failed too: the steps left off their last
     verified value (or, never verified, off their original); retried by the next pass."""
+
+    verified_in_force: bool = False
+    """After a failed pass: every journaled knob is back at its last verified value and
+    reads back so, and there is one: the node runs on the last verified config (a
+    rolled-back re-apply), so running jobs are fine."""
 
     @property
     def rollback_incomplete(self) -> bool:
@@ -336,8 +342,10 @@ class Engine:
 
     def _after_failure(self) -> dict[str, Any]:
         """What a failed pass left (ApplyResult fields): the knobs in force, those left
-        off."""
-        return {"in_force": self._in_force(), "left_off": [e.step for e in self._unverified()]}
+        off, and whether the last verified state is whole."""
+        in_force, left_off = self._in_force(), [e.step for e in self._unverified()]
+        whole = bool(in_force) and not left_off and len(in_force) == len(self.journal)
+        return {"in_force": in_force, "left_off": left_off, "verified_in_force": whole}
 
     def _in_force(self) -> list[Step]:
         """The journaled steps at their last verified value that read back so: the state
@@ -460,3 +468,21 @@ class Engine:
 
 def journal_summary(journal: Journal) -> list[dict[str, Any]]:
     return [e.to_json() for e in journal.entries.values()]
+
+
+def verified_state_serving(result: ApplyResult | None, plan: Plan | None) -> list[Step]:
+    """After a failed pass that left the last verified state whole: its steps, when that
+    state serves the plan's devices as they are (a metaroce plan: its library is the one
+    in force, or pods would get a version the node does not verify); else empty. A
+    planned device with one of these steps keeps serving running and new jobs: its
+    device plugin units stay healthy and the transport ready, while the NodeState still
+    reports the failed attempt."""
+    if result is None or plan is None or result.ok or not result.verified_in_force:
+        return []
+    if not plan.ok:
+        return []
+    if plan.library is not None:
+        libraries = [s for s in result.in_force if isinstance(s, MetaRoceLibraryStep)]
+        if all(s.directory != plan.library.directory for s in libraries):
+            return []
+    return list(result.in_force)

@@ -37,7 +37,7 @@ from typing import Any
 
 from metaroce_agent.capabilities import Capabilities, probe_capabilities
 from metaroce_agent.discover import Inventory, discover
-from metaroce_agent.engine import ApplyResult, Engine, Journal
+from metaroce_agent.engine import ApplyResult, Engine, Journal, verified_state_serving
 from metaroce_agent.exporter import (
     AgentMetrics,
     MetricsServer,
@@ -577,8 +577,16 @@ class Agent:
 
         st = self.state
         applied = st.result is not None and st.result.ok and not st.reverted
+        kept = [] if st.reverted else verified_state_serving(st.result, st.plan)
         self.plugin.update(
-            plugin_devices(self.config, st.inventory, st.plan, applied=applied, failing=st.failing)
+            plugin_devices(
+                self.config,
+                st.inventory,
+                st.plan,
+                applied=applied,
+                failing=st.failing,
+                in_force=kept,
+            )
         )
 
     def watch_ports(self) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 
 from metaroce_agent import __version__
 from metaroce_agent.discover import Inventory
-from metaroce_agent.engine import ApplyResult
+from metaroce_agent.engine import ApplyResult, verified_state_serving
 from metaroce_agent.kube import KubeClient, KubeError, cluster_path
 from metaroce_agent.plan import Plan
 from metaroce_agent.steps import Step
@@ -184,7 +184,11 @@ def build_status(
     phase: NodeStatePhase
     revert_failed = revert_left is not None and not reverted
     applied_ok = bool(result and result.ok) and not reverted and not revert_failed
-    transport, device_problems = transport_state(config, inventory, plan, applied_ok)
+    # a failed re-apply rolled back whole: the last verified state serves running jobs
+    kept = not (reverted or reverting or revert_failed) and bool(
+        verified_state_serving(result, plan)
+    )
+    transport, device_problems = transport_state(config, inventory, plan, applied_ok or kept)
     if reverted or reverting or revert_failed:
         device_problems = []  # the revert removes the devices it made on purpose
     errs = list(errors.items)

@@ -10,8 +10,10 @@ node is back on A. Never a fall back to the pre-agent state.
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import make_config
@@ -40,9 +42,16 @@ def faults() -> Iterator[None]:
     failpoints.reset("")
 
 
-def _agent_on_a(tmp_path: Path) -> Agent:
+@pytest.fixture
+def sockdir() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="dpr-") as d:  # unix socket paths are short
+        yield Path(d)
+
+
+def _agent_on_a(tmp_path: Path, **options: Any) -> Agent:
     tree, kernel = softroce_node(tmp_path / "root")
-    agent = fixture_agent(tmp_path, tree, kernel, softroce_cfg(1400, 26, 3))
+    agent = fixture_agent(tmp_path, tree, kernel, softroce_cfg(1400, 26, 3), **options)
+    agent.start_plugin()
     assert agent.apply_pass().ok
     assert agent.host.read(MTU) == "1400" and agent.host.read(TOS) == "104"
     agent.config = softroce_cfg(1300, 34, 4)  # config B, as after a reload
@@ -188,3 +197,80 @@ def test_a_first_apply_that_changed_nothing_at_its_failed_step_is_apply_failed(
     agent.revert()
     assert agent.state.reverted
     assert agent.state.status is not None and agent.state.status.phase == "Reverted"
+
+
+def _serving(agent: Agent) -> tuple[int, int, bool]:
+    """(healthy units, all units) of the agent's device plugin, and whether the NodeState
+    says the transport is ready."""
+    assert agent.plugin is not None and agent.state.status is not None
+    plugin = agent.plugin.status()
+    transport = agent.state.status.transport
+    return plugin.healthy_units, plugin.total_units, bool(transport and transport.ready)
+
+
+def test_a_rolled_back_reapply_keeps_the_devices_healthy_and_the_transport_ready(
+    tmp_path: Path, faults: None, sockdir: Path
+) -> None:
+    """Config B fails and is rolled back whole: the node runs the last verified config,
+    which running jobs use, so the device plugin keeps its units healthy and the
+    transport stays ready, while the NodeState reports the failed attempt (Failed,
+    ApplyFailed, retried). Only when the rollback fails too (the node on neither config)
+    do the units go unhealthy and the transport not ready."""
+    agent = _agent_on_a(tmp_path, device_plugin_dir=sockdir)
+    try:
+        healthy, total, ready = _serving(agent)
+        assert total > 0 and healthy == total and ready
+
+        failpoints.reset("apply.step.roce-tos=1:error")
+        result = agent.apply_pass()
+        assert not result.ok and result.verified_in_force
+        status = agent.state.status
+        assert status is not None and status.phase == "Failed"
+        assert _ready(status)[0] == constants.NODESTATE_REASON_APPLY_FAILED
+        assert agent.state.next_retry is not None
+        assert any(e.step == "retry" for e in status.errors or [])
+        healthy, total, ready = _serving(agent)
+        assert healthy == total > 0, agent.plugin.status().unhealthy if agent.plugin else None
+        assert ready
+
+        # the rollback fails too: the marking is left on B's DSCP, A is not in force
+        failpoints.reset("apply.step.roce-tos=1:error,restore.step.tc-mark=1:error")
+        result = agent.apply_pass()
+        assert result.rollback_incomplete and not result.verified_in_force
+        healthy, total, ready = _serving(agent)
+        assert healthy == 0 and total > 0 and not ready
+
+        # once the next attempt restores A, both come back
+        failpoints.reset("apply.step.roce-tos=1:error")
+        result = agent.apply_pass()
+        assert not result.ok and result.verified_in_force
+        healthy, total, ready = _serving(agent)
+        assert healthy == total > 0 and ready
+    finally:
+        agent.stop_plugin()
+
+
+def test_a_metaroce_state_in_force_serves_only_its_own_library() -> None:
+    """A rolled-back re-apply of a metaroce network keeps serving only when the plan's
+    library is the one in force: pods of a library change that failed would otherwise be
+    handed a version the node never verified."""
+    from metaroce_agent.engine import ApplyResult, verified_state_serving
+    from metaroce_agent.plan import Plan
+    from metaroce_agent.qos.mtu import MtuStep
+    from metaroce_agent.transport.base import Library
+    from metaroce_agent.transport.library import MetaRoceLibraryStep
+
+    old = MetaRoceLibraryStep("", version="1.0", checksum="a" * 64, network="rdma-a")
+    new = MetaRoceLibraryStep("", version="1.1", checksum="b" * 64, network="rdma-a")
+    result = ApplyResult(ok=False, in_force=[old, MtuStep("eth0")], verified_in_force=True)
+
+    def plan(step: MetaRoceLibraryStep) -> Plan:
+        lib = Library(directory=step.directory, version=step.version, checksum=step.checksum)
+        return Plan(mode="metaroce", library=lib)
+
+    assert verified_state_serving(result, plan(old)) == result.in_force
+    assert verified_state_serving(result, plan(new)) == []
+    # a rollback left incomplete, or a pass that verified, is not this case
+    incomplete = ApplyResult(ok=False, in_force=[old], left_off=[MtuStep("eth0")])
+    assert verified_state_serving(incomplete, plan(old)) == []
+    assert verified_state_serving(ApplyResult(ok=True, applied=[old]), plan(old)) == []
