@@ -94,24 +94,6 @@ def test_failed_step_rolls_back_the_steps_before_it(node) -> None:  # type: igno
     assert len(Journal(n.host, cfg.network)) == 0
 
 
-def test_revert_drops_a_knob_already_at_its_original_without_undoing_it(node) -> None:  # type: ignore[no-untyped-def]
-    """A killed agent can leave a step journaled but never applied (killed at
-    apply.before_step): its knob still reads as the original the journal holds, so the
-    revert has nothing to undo there and drops the entry, even where undoing would fail
-    (rdma_cm's configfs read-only: removing a directory that is not there fails with
-    EROFS). Before, every retry of the revert failed on it and the node never reverted."""
-    n = node(softroce_node)
-    n.tree.configfs()
-    cfg = softroce_cfg()
-    journal = Journal(n.host, cfg.network)
-    cm_dir = next(s for s in plan_for(n, cfg).steps if s.kind == "rdma-cm-dir")
-    journal.put(cm_dir, cm_dir.snapshot(n.host), None)  # journaled, then killed
-    n.host.read_only.add(CM)
-    result = Engine(n.host, Journal(n.host, cfg.network)).revert()
-    assert result.ok, result.errors
-    assert len(Journal(n.host, cfg.network)) == 0
-
-
 def test_failed_command_names_the_step(node) -> None:  # type: ignore[no-untyped-def]
     n = node(softroce_node)
     cfg = softroce_cfg()

@@ -11,15 +11,17 @@ node is back on A. Never a fall back to the pre-agent state.
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import make_config
+from conftest import Node, make_config
 from fakes import fixture_agent, softroce_node
 
+from metaroce_agent.engine import Engine, Journal
 from metaroce_agent.loop import Agent
+from metaroce_agent.plan import make_plan
 from metaroce_api import MetaRoceNodeStateStatus, constants, failpoints
 
 TOS = "/sys/kernel/config/rdma_cm/rxe_eth0/ports/1/default_roce_tos"
@@ -197,6 +199,28 @@ def test_a_first_apply_that_changed_nothing_at_its_failed_step_is_apply_failed(
     agent.revert()
     assert agent.state.reverted
     assert agent.state.status is not None and agent.state.status.phase == "Reverted"
+
+
+def test_a_revert_drops_a_knob_already_at_its_original_without_undoing_it(
+    node: Callable[..., Node],
+) -> None:
+    """A killed agent can leave a step journaled but never applied (killed at
+    apply.before_step): its knob still reads as the original the journal holds, so the
+    revert has nothing to undo there and drops the entry, even where undoing would fail
+    (rdma_cm's configfs read-only: removing a directory that is not there fails with
+    EROFS). Before, every retry of the revert failed on it and the node never reverted."""
+    n = node(softroce_node)
+    n.tree.configfs()
+    cfg = softroce_cfg(1400, 26, 3)
+    inv = n.inventory()
+    plan = make_plan(cfg, inv, n.caps(cfg, inv))
+    journal = Journal(n.host, cfg.network)
+    cm_dir = next(s for s in plan.steps if s.kind == "rdma-cm-dir")
+    journal.put(cm_dir, cm_dir.snapshot(n.host), None)  # journaled, then killed
+    n.host.read_only.add(CM)
+    result = Engine(n.host, Journal(n.host, cfg.network)).revert()
+    assert result.ok, result.errors
+    assert len(Journal(n.host, cfg.network)) == 0
 
 
 def _serving(agent: Agent) -> tuple[int, int, bool]:
