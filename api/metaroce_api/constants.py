@@ -172,6 +172,9 @@ NODESTATE_INCOMPLETE_REASONS: Final = frozenset(
 )
 """Ready-condition reasons of a node whose settings are half-way between two states: the
 operator counts it failed, never configured, whatever its phase."""
+NODESTATE_ERROR_STEP_RETRY: Final = "retry"
+"""`step` of the NodeState error that says when a failed pass is tried again (it comes
+after the failure itself); the operator names a failing node by the errors before it."""
 DEVICE_PLUGIN_DIR: Final = "/var/lib/kubelet/device-plugins"
 """The kubelet's device-plugin directory (its registration socket `kubelet.sock` and ours);
 the agent DaemonSet mounts it from the host."""

@@ -374,7 +374,7 @@ class Agent:
                 )
                 log.warning("apply pass: %s", note)
                 if not result.ok:  # after the failure itself, which stays the first error
-                    errors.append(("retry", note))
+                    errors.append((constants.NODESTATE_ERROR_STEP_RETRY, note))
             errors += [(p.where, p.message) for p in st.plan.problems]
             if self.engine.journal.problem:
                 errors.append(("journal", self.engine.journal.problem))

@@ -64,6 +64,30 @@ def test_nodestate_report_carries_the_ready_reason() -> None:
     assert report is not None and report.ready_reason == ""
 
 
+def test_a_failing_node_is_named_by_what_failed_not_by_the_retry_note() -> None:
+    """An agent lists the failure first and the note of its next attempt last; the
+    operator's failingNodes message is the newest error that says what failed (here the
+    knob a rollback left), not when the agent tries again."""
+    body = minimal_nodestate("net", "node-a")
+    body["status"] = {
+        "phase": "Degraded",
+        "errors": [
+            {
+                "step": "apply roce-tos port1 on rxe_eth0",
+                "message": "failpoint; rollback incomplete (retrying): dscp-mark on eth0 left off",
+            },
+            {"step": "rollback", "message": "restore dscp-mark on eth0: tc: busy"},
+            {"step": c.NODESTATE_ERROR_STEP_RETRY, "message": "attempt 1 failed; next in 5 s"},
+        ],
+    }
+    report = NodeReport.from_body(body)
+    assert report is not None
+    assert report.error == "rollback: restore dscp-mark on eth0: tc: busy"
+    body["status"]["errors"] = body["status"]["errors"][-1:]
+    report = NodeReport.from_body(body)
+    assert report is not None and report.error == ""
+
+
 def test_unparseable_status_counts_as_failed_report() -> None:
     body = minimal_nodestate("net", "node-a")
     body["status"] = {"phase": "Exploded"}
