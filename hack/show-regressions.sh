@@ -27,6 +27,8 @@ tests=(
   tests/unit/agent/test_agent_exporter_render.py  # bench items: what /metrics serves, escaped
   tests/unit/agent/test_agent_health_endpoints.py  # issue 16 #15: /readyz = verified, /livez
   tests/unit/agent/test_agent_node_label.py  # finding 4: the operator's label asks for a revert
+  tests/unit/agent/test_agent_rollback.py  # fault cases: a failed rollback Degraded and retried,
+  # only knobs really off their verified value left off, the verified state in force served
 )
 # the tests' own fixtures (additions only) go along with them
 support=(tests/unit/agent/fakes.py tests/unit/agent/conftest.py)

@@ -162,6 +162,19 @@ NODESTATE_REASON_APPLY_FAILED: Final = "ApplyFailed"
 NODESTATE_REASON_PLAN_BLOCKED: Final = "PlanBlocked"
 NODESTATE_REASON_REVERTED: Final = "Reverted"
 NODESTATE_REASON_PENDING: Final = "Pending"
+NODESTATE_REASON_ROLLBACK_INCOMPLETE: Final = "RollbackIncomplete"
+"""Degraded: a failed re-apply could not restore every knob to its last verified value;
+the agent retries with backoff. Not configured: the node runs neither config."""
+NODESTATE_REASON_REVERT_INCOMPLETE: Final = "RevertIncomplete"
+"""Degraded: a revert (cleanupOnDelete) left knobs applied; the agent retries it."""
+NODESTATE_INCOMPLETE_REASONS: Final = frozenset(
+    {NODESTATE_REASON_ROLLBACK_INCOMPLETE, NODESTATE_REASON_REVERT_INCOMPLETE}
+)
+"""Ready-condition reasons of a node whose settings are half-way between two states: the
+operator counts it failed, never configured, whatever its phase."""
+NODESTATE_ERROR_STEP_RETRY: Final = "retry"
+"""`step` of the NodeState error that says when a failed pass is tried again (it comes
+after the failure itself); the operator names a failing node by the errors before it."""
 DEVICE_PLUGIN_DIR: Final = "/var/lib/kubelet/device-plugins"
 """The kubelet's device-plugin directory (its registration socket `kubelet.sock` and ours);
 the agent DaemonSet mounts it from the host."""

@@ -12,11 +12,18 @@ with cleanupOnDelete, undo exactly what was done, restoring what was there befor
   or the read-back differs) stops the pass and restores the last verified state: the
   steps this pass changed, the failed one included, go back in reverse order to their
   last verified value (a step that was never verified goes back to its original
-  snapshot and leaves the journal); steps this pass did not change are not touched; the
-  result names the failed step and why. Journal entries whose step is no longer
-  planned (a knob the new config drops) are undone only once the whole pass verified.
+  snapshot and leaves the journal); steps this pass did not change are not touched, nor
+  is a knob that still reads as its target (the failed apply changed nothing: on a
+  read-only configfs, removing a directory that is not there would fail); the result
+  names the failed step and why. Only knobs that really read off their last verified
+  (or original) value count as left off (`ApplyResult.left_off`: Degraded,
+  RollbackIncomplete) and are retried by the next pass. Journal entries whose step is no
+  longer planned (a knob the new config drops) are undone only once the whole pass
+  verified.
 - `drift(plan)`: reads every journaled step back; re-applies what differs and counts it.
-- `revert()`: undoes the whole journal in reverse; entries that fail stay journaled.
+- `revert()`: undoes the whole journal in reverse; a knob already at its original is only
+  dropped from the journal (a revert never retries undoing what is already undone);
+  entries that fail stay journaled.
 
 The journal is written atomically (temporary file, fsync, rename, fsync of the
 directory). One that cannot be read is moved aside (`journal.json.corrupt-<time>`, for
@@ -36,6 +43,7 @@ from typing import Any
 from metaroce_agent.host import Host, HostError
 from metaroce_agent.plan import Plan
 from metaroce_agent.steps import Json, Step, StepError, step_from_record
+from metaroce_agent.transport.library import MetaRoceLibraryStep
 from metaroce_api.failpoints import failpoint
 
 log = logging.getLogger("metaroce.agent.engine")
@@ -167,6 +175,22 @@ class ApplyResult:
     seconds: float = 0.0
     changed: int = 0
     """Steps that were actually applied (not already in the desired state)."""
+    in_force: list[Step] = field(default_factory=list)
+    """After a failed pass: the journaled steps at their last verified value (what the
+    node runs on now); empty after a pass that verified (then `applied` says it)."""
+    left_off: list[Step] = field(default_factory=list)
+    """After a failed pass whose rollback failed too: the steps left off their last
+    verified value (or, never verified, off their original); retried by the next pass."""
+
+    verified_in_force: bool = False
+    """After a failed pass: every journaled knob is back at its last verified value and
+    reads back so, and there is one: the node runs on the last verified config (a
+    rolled-back re-apply), so running jobs are fine."""
+
+    @property
+    def rollback_incomplete(self) -> bool:
+        """A failed pass that could not put the node back to its last verified state."""
+        return not self.ok and bool(self.left_off)
 
 
 @dataclass
@@ -199,10 +223,15 @@ class Engine:
     def apply(self, plan: Plan) -> ApplyResult:
         start = time.monotonic()
         if not plan.ok:
+            # nothing is applied, but what an earlier failed rollback left is retried
+            rolled, undo_errors = self._restore(self._unsettled(set()))
             return ApplyResult(
                 ok=False,
                 error="; ".join(f"{e.where}: {e.message}" for e in plan.errors),
+                rolled_back=rolled,
+                undo_errors=undo_errors,
                 seconds=time.monotonic() - start,
+                **self._after_failure(),
             )
         done: list[Step] = []
         changes: list[tuple[Step, Step | None]] = []
@@ -240,7 +269,9 @@ class Engine:
                     error,
                     len(changes),
                 )
-                rolled, undo_errors = self._restore(changes)
+                # and what an earlier failed rollback left off its verified value
+                earlier = self._unsettled({s.id for s, _ in changes})
+                rolled, undo_errors = self._restore(earlier + changes)
                 return ApplyResult(
                     ok=False,
                     applied=[],
@@ -250,6 +281,7 @@ class Engine:
                     undo_errors=undo_errors,
                     seconds=time.monotonic() - start,
                     changed=len(changes),
+                    **self._after_failure(),
                 )
         failpoint("apply.before_commit")  # every step verified, not yet journaled as such
         self.journal.commit(done)
@@ -267,7 +299,8 @@ class Engine:
         for entry in reversed(stale):
             log.info("undo %s: no longer planned", entry.step.name)
             try:
-                entry.step.undo(self.host, entry.snapshot)
+                if not self._reads_as(entry, None):
+                    entry.step.undo(self.host, entry.snapshot)
                 failpoint("apply.stale.after_undo")  # undone, still journaled
                 self.journal.drop(entry.step.id)
             except Exception as e:
@@ -275,10 +308,64 @@ class Engine:
                 log.error("undo %s failed: %s", entry.step.name, e)
         return errors
 
+    def _reads_as(self, entry: JournalEntry, target: Step | None) -> bool:
+        """Whether `entry`'s knob reads back as `target` (a step), or with None, as the
+        original snapshot the journal holds. A knob that cannot be read does not."""
+        try:
+            if target is None:
+                return entry.step.at_snapshot(self.host, entry.snapshot)
+            return target.verify(self.host) is None
+        except Exception as e:
+            log.warning("reading back %s: %s", entry.step.name, e)
+            return False
+
+    def _unverified(self) -> list[JournalEntry]:
+        """Journal entries whose knob really is off its last verified value (never
+        verified: off its original): a pass failed and its rollback failed too, or a kill
+        cut a pass short. An entry journaled by a pass that failed before it changed the
+        knob (its apply raised, its knob reads as before) is not left off."""
+        return [
+            e
+            for e in self.journal.entries.values()
+            if e.step != e.verified and not self._reads_as(e, e.verified)
+        ]
+
+    def _unsettled(self, exclude: set[str]) -> list[tuple[Step, Step | None]]:
+        """(step, its last verified version) of the entries journaled off their verified
+        step and not in `exclude`, for `_restore`: an earlier rollback that failed is
+        retried with this one, and one whose knob reads right has its journal settled."""
+        return [
+            (e.step, e.verified)
+            for e in self.journal.entries.values()
+            if e.step != e.verified and e.step.id not in exclude
+        ]
+
+    def _after_failure(self) -> dict[str, Any]:
+        """What a failed pass left (ApplyResult fields): the knobs in force, those left
+        off, and whether the last verified state is whole."""
+        in_force, left_off = self._in_force(), [e.step for e in self._unverified()]
+        whole = bool(in_force) and not left_off and len(in_force) == len(self.journal)
+        return {"in_force": in_force, "left_off": left_off, "verified_in_force": whole}
+
+    def _in_force(self) -> list[Step]:
+        """The journaled steps at their last verified value that read back so: the state
+        the node runs on after a failed pass."""
+        out = []
+        for e in self.journal.entries.values():
+            if e.verified is None or e.step != e.verified:
+                continue
+            try:
+                if e.verified.verify(self.host) is None:
+                    out.append(e.verified)
+            except Exception as err:  # a knob that cannot be read is not reported in force
+                log.warning("reading back %s: %s", e.verified.name, err)
+        return out
+
     def _restore(self, changes: list[tuple[Step, Step | None]]) -> tuple[list[str], list[str]]:
         """Put each changed step back to its last verified version, newest first; a step
-        never verified goes back to its original snapshot. A step whose verified version
-        still holds (the failed apply had no effect) is not touched."""
+        never verified goes back to its original snapshot. A knob that already reads so
+        (the failed apply had no effect) is not touched: only its journal entry is
+        settled, so nothing that never changed can fail to roll back."""
         rolled: list[str] = []
         errors: list[str] = []
         for step, previous in reversed(changes):
@@ -286,18 +373,22 @@ class Engine:
             if entry is None:
                 continue
             try:
-                failpoint(f"restore.step.{step.kind}")  # the fault tier's failing rollback
-                if previous is None:
+                if self._reads_as(entry, previous):
+                    log.info("%s still reads as before this pass: nothing to restore", step.name)
+                elif previous is None:
+                    failpoint(f"restore.step.{step.kind}")  # the fault tier's failing rollback
                     step.undo(self.host, entry.snapshot)
                     failpoint("restore.after_step")  # undone, still journaled
+                else:
+                    failpoint(f"restore.step.{step.kind}")
+                    previous.apply(self.host)
+                    problem = previous.verify(self.host)
+                    if problem is not None:
+                        raise StepError(f"read back after restoring: {problem}")
+                    failpoint("restore.after_step")  # restored, journal still says the new step
+                if previous is None:
                     self.journal.drop(step.id)
                 else:
-                    if previous.verify(self.host) is not None:
-                        previous.apply(self.host)
-                        problem = previous.verify(self.host)
-                        if problem is not None:
-                            raise StepError(f"read back after restoring: {problem}")
-                    failpoint("restore.after_step")  # restored, journal still says the new step
                     self.journal.put(previous, entry.snapshot, previous, entry.original_known)
                 rolled.append(step.name)
             except Exception as e:
@@ -350,9 +441,12 @@ class Engine:
                 self.journal.drop(entry.step.id)
                 continue
             try:
-                failpoint(f"revert.step.{entry.step.kind}")  # the fault tier's failing undo
-                entry.step.undo(self.host, entry.snapshot)
-                failpoint("revert.after_step")  # undone, still journaled
+                if self._reads_as(entry, None):  # never applied, or already put back
+                    log.info("revert %s: already as before the agent", entry.step.name)
+                else:
+                    failpoint(f"revert.step.{entry.step.kind}")  # the fault tier's failing undo
+                    entry.step.undo(self.host, entry.snapshot)
+                    failpoint("revert.after_step")  # undone, still journaled
                 result.undone.append(entry.step.name)
                 self.journal.drop(entry.step.id)
             except Exception as e:
@@ -374,3 +468,21 @@ class Engine:
 
 def journal_summary(journal: Journal) -> list[dict[str, Any]]:
     return [e.to_json() for e in journal.entries.values()]
+
+
+def verified_state_serving(result: ApplyResult | None, plan: Plan | None) -> list[Step]:
+    """After a failed pass that left the last verified state whole: its steps, when that
+    state serves the plan's devices as they are (a metaroce plan: its library is the one
+    in force, or pods would get a version the node does not verify); else empty. A
+    planned device with one of these steps keeps serving running and new jobs: its
+    device plugin units stay healthy and the transport ready, while the NodeState still
+    reports the failed attempt."""
+    if result is None or plan is None or result.ok or not result.verified_in_force:
+        return []
+    if not plan.ok:
+        return []
+    if plan.library is not None:
+        libraries = [s for s in result.in_force if isinstance(s, MetaRoceLibraryStep)]
+        if all(s.directory != plan.library.directory for s in libraries):
+            return []
+    return list(result.in_force)

@@ -37,7 +37,7 @@ from typing import Any
 
 from metaroce_agent.capabilities import Capabilities, probe_capabilities
 from metaroce_agent.discover import Inventory, discover
-from metaroce_agent.engine import ApplyResult, Engine, Journal
+from metaroce_agent.engine import ApplyResult, Engine, Journal, verified_state_serving
 from metaroce_agent.exporter import (
     AgentMetrics,
     MetricsServer,
@@ -347,12 +347,18 @@ class Agent:
             elif not result.ok:
                 where = f"apply {result.failed_step.name}" if result.failed_step else "apply"
                 rolled = ", ".join(result.rolled_back) or "nothing"
-                errors.append(
-                    (where, f"{result.error}; rolled back to the last verified state: {rolled}")
-                )
-                errors += [("rollback", e) for e in result.undo_errors]
-            else:
-                errors += [("apply", e) for e in result.undo_errors]
+                if result.rollback_incomplete:
+                    left = ", ".join(s.name for s in result.left_off)
+                    why = (
+                        f"rollback incomplete (retrying): {left} left off the last verified "
+                        f"state; rolled back: {rolled}"
+                    )
+                else:
+                    why = f"rolled back to the last verified state: {rolled}"
+                errors.append((where, f"{result.error}; {why}"))
+            if result.undo_errors:  # a plan that cannot apply still retries a rollback
+                where = "apply" if result.ok else "rollback"
+                errors += [(where, e) for e in result.undo_errors]
             if result.ok and not st.plan.problems:
                 st.failures, st.next_retry = 0, None
             else:
@@ -368,7 +374,7 @@ class Agent:
                 )
                 log.warning("apply pass: %s", note)
                 if not result.ok:  # after the failure itself, which stays the first error
-                    errors.append(("retry", note))
+                    errors.append((constants.NODESTATE_ERROR_STEP_RETRY, note))
             errors += [(p.where, p.message) for p in st.plan.problems]
             if self.engine.journal.problem:
                 errors.append(("journal", self.engine.journal.problem))
@@ -571,8 +577,16 @@ class Agent:
 
         st = self.state
         applied = st.result is not None and st.result.ok and not st.reverted
+        kept = [] if st.reverted else verified_state_serving(st.result, st.plan)
         self.plugin.update(
-            plugin_devices(self.config, st.inventory, st.plan, applied=applied, failing=st.failing)
+            plugin_devices(
+                self.config,
+                st.inventory,
+                st.plan,
+                applied=applied,
+                failing=st.failing,
+                in_force=kept,
+            )
         )
 
     def watch_ports(self) -> None:

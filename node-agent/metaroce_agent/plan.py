@@ -40,7 +40,12 @@ from metaroce_agent.qos.dcb import DcbAppStep, DcbEtsStep, DcbPfcStep
 from metaroce_agent.qos.ecn import CnpStep, EcnStep
 from metaroce_agent.qos.mtu import MtuStep
 from metaroce_agent.qos.rocecm import RdmaCmDirStep, RoceModeStep, RoceTosStep
-from metaroce_agent.qos.tcmark import ClsactStep, TcMarkStep, TcPortRangeMarkStep
+from metaroce_agent.qos.tcmark import (
+    MARK_FAMILIES,
+    ClsactStep,
+    TcMarkStep,
+    TcPortRangeMarkStep,
+)
 from metaroce_agent.steps import Step
 from metaroce_agent.transport.base import Issue, Library, Mode, TransportDevice
 from metaroce_agent.transport.select import driver_for
@@ -390,7 +395,9 @@ def _metaroce_qos(
                     last=settings.port_range.last,
                     dscp=q.data.dscp,
                     priority=q.data.priority,
+                    family=family,
                 )
+                for family in MARK_FAMILIES
                 for match in ("dst", "src")
             ]
         else:

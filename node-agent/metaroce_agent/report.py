@@ -27,7 +27,7 @@ from typing import Any
 
 from metaroce_agent import __version__
 from metaroce_agent.discover import Inventory
-from metaroce_agent.engine import ApplyResult
+from metaroce_agent.engine import ApplyResult, verified_state_serving
 from metaroce_agent.kube import KubeClient, KubeError, cluster_path
 from metaroce_agent.plan import Plan
 from metaroce_agent.steps import Step
@@ -61,6 +61,8 @@ REASON_APPLY_FAILED = constants.NODESTATE_REASON_APPLY_FAILED
 REASON_PLAN_BLOCKED = constants.NODESTATE_REASON_PLAN_BLOCKED
 REASON_REVERTED = constants.NODESTATE_REASON_REVERTED
 REASON_PENDING = constants.NODESTATE_REASON_PENDING
+REASON_ROLLBACK_INCOMPLETE = constants.NODESTATE_REASON_ROLLBACK_INCOMPLETE
+REASON_REVERT_INCOMPLETE = constants.NODESTATE_REASON_REVERT_INCOMPLETE
 
 
 def now() -> datetime:
@@ -182,7 +184,11 @@ def build_status(
     phase: NodeStatePhase
     revert_failed = revert_left is not None and not reverted
     applied_ok = bool(result and result.ok) and not reverted and not revert_failed
-    transport, device_problems = transport_state(config, inventory, plan, applied_ok)
+    # a failed re-apply rolled back whole: the last verified state serves running jobs
+    kept = not (reverted or reverting or revert_failed) and bool(
+        verified_state_serving(result, plan)
+    )
+    transport, device_problems = transport_state(config, inventory, plan, applied_ok or kept)
     if reverted or reverting or revert_failed:
         device_problems = []  # the revert removes the devices it made on purpose
     errs = list(errors.items)
@@ -191,13 +197,12 @@ def build_status(
         extra.set([(e.step, e.message) for e in errs] + device_problems)
         errs = extra.items
 
-    still = (
-        revert_left
-        if revert_left is not None
-        else result.applied
-        if result and result.ok and not reverted
-        else []
-    )
+    still: Sequence[Step] = []
+    if revert_left is not None:
+        still = revert_left
+    elif result is not None and not reverted:
+        # after a failed pass, the last verified state it restored is what is in force
+        still = result.applied if result.ok else result.in_force
     applied = [
         AppliedKnob(name=s.knob, device=s.device, value=s.value()[:256], method=s.method)
         for s in still
@@ -213,11 +218,19 @@ def build_status(
     elif reverting:
         phase, reason, msg = "Reverting", REASON_REVERTED, "reverting node settings"
     elif revert_failed:
-        phase, reason = "Degraded", REASON_DEGRADED
+        phase, reason = "Degraded", REASON_REVERT_INCOMPLETE
         msg = "revert incomplete (retrying): " + "; ".join(e.message for e in errs)
         msg = msg[:2000]
     elif plan is None or result is None:
         phase, reason, msg = "Pending", REASON_PENDING, "not applied yet"
+    elif result.rollback_incomplete:
+        phase, reason = "Degraded", REASON_ROLLBACK_INCOMPLETE
+        where = result.failed_step.name if result.failed_step else "apply"
+        left = ", ".join(s.name for s in result.left_off)
+        msg = (
+            f"rollback incomplete (retrying with backoff): {where} failed: {result.error}; "
+            f"left off their last verified values: {left}; " + "; ".join(result.undo_errors)
+        )[:2000]
     elif not plan.ok:
         phase, reason = "Failed", REASON_PLAN_BLOCKED
         msg = "; ".join(f"{e.where}: {e.message}" for e in plan.errors)

@@ -44,6 +44,10 @@ class Step:
     """How it is set: dcb, sysfs, configfs, tc, netlink, rdma, modprobe."""
     report: ClassVar[bool] = True
     """Whether the step shows up as an applied knob (helpers such as mkdir do not)."""
+    snapshot_is_state: ClassVar[bool] = False
+    """Whether `snapshot` captures everything `apply` may change, so a knob whose snapshot
+    reads back equal has nothing to undo. False where it does not (a step without a
+    snapshot, or one whose snapshot names a directory but not what it holds)."""
 
     device: str
     """Netdev or RDMA device the knob belongs to; empty = node-wide."""
@@ -86,6 +90,12 @@ class Step:
 
     def undo(self, host: Host, snapshot: Json) -> None:
         return None
+
+    def at_snapshot(self, host: Host, snapshot: Json) -> bool:
+        """Whether the knob reads back as it did when `snapshot` was taken: nothing to
+        undo (an apply that failed before changing it, or a kill before it was applied).
+        False when the step cannot tell (`snapshot_is_state`): then undo runs."""
+        return self.snapshot_is_state and self.snapshot(host) == snapshot
 
     def split(self, snapshot: Json) -> list[tuple[Step, Json]]:
         """The steps (with their snapshots) a journal entry of an earlier agent stands

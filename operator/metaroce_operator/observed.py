@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from metaroce_api import MetaRoceNodeStateStatus, ProbeSpec
+from metaroce_api.constants import CONDITION_READY, NODESTATE_ERROR_STEP_RETRY
 
 
 @dataclass(frozen=True)
@@ -60,10 +61,15 @@ class NodeReport:
     phase: str = "Pending"
     config_generation: int | None = None
     error: str = ""
-    """The newest agent error, `step: message`."""
+    """The newest agent error, `step: message`, other than the note of when a failed pass
+    is retried (which says when, not what failed)."""
     probe_healthy: bool | None = None
     peers: tuple[PeerResult, ...] = ()
     reverted: bool = False
+    ready_reason: str = ""
+    """The reason of the NodeState's Ready condition (`NODESTATE_REASON_*`): tells a
+    rollback or revert the agent has not finished from a node that is Degraded but runs
+    its config."""
     transport: str = "none"
     netdevs: tuple[str, ...] = ()
     nics: tuple[ReportedNic, ...] = ()
@@ -97,9 +103,9 @@ class NodeReport:
                 error=f"report: the NodeState status does not parse ({err.error_count()} errors)",
             )
         error = ""
-        if status.errors:
-            last = status.errors[-1]
-            error = f"{last.step}: {last.message}"
+        told = [e for e in status.errors or [] if e.step != NODESTATE_ERROR_STEP_RETRY]
+        if told:
+            error = f"{told[-1].step}: {told[-1].message}"
         peers: tuple[PeerResult, ...] = ()
         probe_healthy = None
         if status.probe is not None:
@@ -121,6 +127,9 @@ class NodeReport:
             probe_healthy=probe_healthy,
             peers=peers,
             reverted=status.reverted,
+            ready_reason=next(
+                (c.reason for c in status.conditions or [] if c.type == CONDITION_READY), ""
+            ),
             transport=status.transport.mode if status.transport else "none",
             netdevs=tuple(sorted(d.netdev for d in status.inventory or [])),
             nics=tuple(

@@ -40,6 +40,24 @@ CONFIGURED_PHASES = frozenset({"Ready", "Degraded"})
 REASON_AGENT_FAILED = "AgentFailed"
 REASON_AGENT_DEGRADED = "AgentDegraded"
 REASON_PROBE_FAILING = "ProbeFailing"
+INCOMPLETE_REASONS = {
+    c.NODESTATE_REASON_ROLLBACK_INCOMPLETE: "AgentRollbackIncomplete",
+    c.NODESTATE_REASON_REVERT_INCOMPLETE: "AgentRevertIncomplete",
+}
+"""FailingNode reasons of nodes whose agent has not finished a rollback or a revert."""
+FAILED_REASONS = frozenset({REASON_AGENT_FAILED, *INCOMPLETE_REASONS.values()})
+
+
+def failed_reason(report: NodeReport) -> str | None:
+    """Why `report` counts as a failed node (a FailingNode reason), None when it does not.
+
+    Phase Failed, or a rollback or revert the agent has not finished (phase Degraded,
+    reason `NODESTATE_INCOMPLETE_REASONS`): that node runs neither its last verified
+    config nor the new one, so it is never counted as configured, whatever generation
+    it reports."""
+    if report.phase == "Failed":
+        return REASON_AGENT_FAILED
+    return INCOMPLETE_REASONS.get(report.ready_reason)
 
 
 def now_utc() -> datetime:
@@ -118,13 +136,14 @@ def _tally(obs: Observed) -> _Tally:
         current = (
             obs.config_generation is not None and report.config_generation == obs.config_generation
         )
-        if report.phase == "Failed":
+        failed = failed_reason(report)
+        if failed is not None:
             t.failed += 1
             t.failing.append(
                 FailingNode(
                     node=node,
-                    reason=REASON_AGENT_FAILED,
-                    message=_short(report.error or "the agent reports phase Failed"),
+                    reason=failed,
+                    message=_short(report.error or f"the agent reports phase {report.phase}"),
                 )
             )
             continue
@@ -172,7 +191,7 @@ def rollout_settled(
     for node, report in reports.items():
         if eligible is not None and node not in eligible:
             continue
-        if report.phase == "Failed" or (
+        if failed_reason(report) is not None or (
             report.config_generation == config_generation and report.phase in CONFIGURED_PHASES
         ):
             settled += 1
@@ -308,7 +327,7 @@ def compute_status(
         problems.append((c.REASON_NIC_CONFLICT, conflict))
     failed_message = ""
     if t.failed:
-        first = next(f for f in t.failing if f.reason == REASON_AGENT_FAILED)
+        first = next(f for f in t.failing if f.reason in FAILED_REASONS)
         failed_message = (
             f"{t.failed} of {max(desired, t.failed)} node(s) failed, e.g. {first.node}: "
             f"{first.message}. See status.failingNodes and `{members}`"

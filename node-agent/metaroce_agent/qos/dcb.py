@@ -49,6 +49,16 @@ def read_ets(host: Host, dev: str) -> dict[str, list[Any]]:
     return {k: list(data.get(k) or []) for k in ("tc_bw", "tc_tsa", "prio_tc")}
 
 
+def _pairs(value: Json) -> list[tuple[int, int]]:
+    """The (dscp, priority) pairs of a DcbAppStep snapshot (`[[d, p], ...]`), sorted."""
+    pairs = value if isinstance(value, list) else []
+    return sorted(
+        (p[0], p[1])
+        for p in pairs
+        if isinstance(p, list) and len(p) == 2 and all(isinstance(x, int) for x in p)
+    )
+
+
 @dataclass(frozen=True)
 class DcbAppStep(Step):
     """Trust DSCP and map a DSCP to its priority: `dcb app replace ... dscp-prio D:P`.
@@ -60,6 +70,7 @@ class DcbAppStep(Step):
     for all entries; `split` reads them per entry."""
 
     kind = "dcb-app"
+    snapshot_is_state = True
     knob = "dscp-map"
     method = "dcb"
 
@@ -102,6 +113,10 @@ class DcbAppStep(Step):
                 problems.append(f"dscp {d} -> {prios or 'nothing'} (want {p})")
         return f"dcb app on {self.device}: {', '.join(problems)}" if problems else None
 
+    def at_snapshot(self, host: Host, snapshot: Json) -> bool:
+        # the order dcb lists entries in is not the snapshot's
+        return _pairs(self.snapshot(host)) == _pairs(snapshot)
+
     def undo(self, host: Host, snapshot: Json) -> None:
         dscps = {d for d, _ in self.entries}
         current = [(d, p) for d, p in read_dscp_prio(host, self.device) if d in dscps]
@@ -117,6 +132,7 @@ class DcbPfcStep(Step):
     """PFC on exactly `enabled` priorities (none = PFC off, the lossy profile)."""
 
     kind = "dcb-pfc"
+    snapshot_is_state = True
     knob = "pfc"
     method = "dcb"
 
@@ -156,6 +172,7 @@ class DcbEtsStep(Step):
     """ETS: each priority in its own traffic class, listed ones with their share."""
 
     kind = "dcb-ets"
+    snapshot_is_state = True
     knob = "ets"
     method = "dcb"
 

@@ -22,6 +22,7 @@ class EcnStep(Step):
     """ECN notification and reaction point on one priority, on or off."""
 
     kind = "ecn"
+    snapshot_is_state = True
     knob = "ecn"
     method = "sysfs"
 
@@ -72,6 +73,7 @@ class CnpStep(Step):
     """DSCP and 802.1p priority of the CNPs the NIC sends."""
 
     kind = "cnp-marking"
+    snapshot_is_state = True
     knob = "cnp-marking"
     method = "sysfs"
 

@@ -11,6 +11,7 @@ from metaroce_agent.steps import Json, Step, StepError
 @dataclass(frozen=True)
 class MtuStep(Step):
     kind = "mtu"
+    snapshot_is_state = True
     knob = "mtu"
     method = "netlink"
 

@@ -19,6 +19,7 @@ RDMA_CM = "/sys/kernel/config/rdma_cm"
 @dataclass(frozen=True)
 class RdmaCmDirStep(Step):
     kind = "rdma-cm-dir"
+    snapshot_is_state = True
     knob = "rdma-cm-configfs"
     method = "configfs"
     report = False
@@ -40,7 +41,10 @@ class RdmaCmDirStep(Step):
         return None if host.is_dir(self._dir()) else f"{self._dir()} is missing"
 
     def undo(self, host: Host, snapshot: Json) -> None:
-        if isinstance(snapshot, dict) and snapshot.get("existed") is False:
+        # only a directory that is there: on a read-only mount, rmdir of a missing one
+        # fails (EROFS) where there is nothing to remove
+        created = isinstance(snapshot, dict) and snapshot.get("existed") is False
+        if created and host.is_dir(self._dir()):
             host.rmdir(self._dir())
 
 
@@ -48,6 +52,7 @@ class RdmaCmDirStep(Step):
 class _PortFileStep(Step):
     port: int = 1
     file = ""
+    snapshot_is_state = True
 
     def id_suffix(self) -> str:
         return f":port{self.port}"

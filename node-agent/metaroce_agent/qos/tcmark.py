@@ -13,6 +13,11 @@ application asked for: the node-level DSCP policy a DCB NIC enforces in hardware
 Read back from `tc -j filter show dev eth0 egress` (pedit key `val` `680000`, mask
 `ff03ffff`; skbedit `priority` `:3`). The agent owns only its filter (pref 4791, handle
 0x4d52) and a clsact qdisc it created itself and that holds no other filter.
+
+The MetaRoCE transport's UDP port range is marked the same way, as destination and as
+source port, for IPv4 (prefs 4792, 4793) and IPv6 endpoints (prefs 4794, 4795: a pref
+holds one protocol); IPv6 rewrites the traffic class (`munge ip6 traffic_class`, pedit
+key `val` `6800000`, mask `f03fffff`) and needs no checksum fix.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ def filters(host: Host, dev: str, direction: str) -> list[dict[str, Any]]:
 @dataclass(frozen=True)
 class ClsactStep(Step):
     kind = "tc-clsact"
+    snapshot_is_state = True
     knob = "tc-clsact"
     method = "tc"
     report = False
@@ -165,6 +171,9 @@ class EgressMarkStep(Step):
                 f" {self.port_text()}) on {self.device}"
             )
         problems = []
+        protocol = mine.get("protocol")
+        if protocol is not None and protocol != self._proto():
+            problems.append(f"matches protocol {protocol}, want {self._proto()}")
         port = self.port_problem((mine.get("options") or {}).get("keys") or {})
         if port:
             problems.append(port)
@@ -175,6 +184,10 @@ class EgressMarkStep(Step):
         if have_prio != self.priority:
             problems.append(f"sets priority {have_prio}, want {self.priority}")
         return (f"{self.what} " + "; ".join(problems)) if problems else None
+
+    def at_snapshot(self, host: Host, snapshot: Json) -> bool:
+        # before the agent there is no filter with its handle at its pref
+        return self._ours(host)[0] is None
 
     def undo(self, host: Host, snapshot: Json) -> None:
         mine, _ = self._ours(host)
@@ -248,6 +261,12 @@ PORT_RANGE_PREFS = {"dst": 4792, "src": 4793}
 """Egress prefs of the agent's MetaRoCE filters: one matches the range as destination
 port (what a node sends to its peers' endpoints), one as source port (what its own
 endpoints send, whatever port the peer uses)."""
+PORT_RANGE_PREFS_IPV6 = {"dst": 4794, "src": 4795}
+"""The same for IPv6 endpoints: a pref holds filters of one protocol only (the kernel
+refuses another at the same pref), so IPv6 has prefs of its own."""
+MARK_FAMILIES = ("ipv4", "ipv6")
+"""The address families the MetaRoCE range is marked for: endpoints bind IPv4 or IPv6
+addresses, whichever the netdev and the peer have, so both are marked."""
 
 
 def port_range_of(value: object) -> tuple[int, int] | None:
@@ -281,11 +300,13 @@ class TcPortRangeMarkStep(EgressMarkStep):
     last: int = 23999
 
     def id_suffix(self) -> str:
-        return f":{self.match}"
+        # IPv4 keeps the id it always had, so journals of earlier agents still match
+        return f":{self.match}" if self.family == "ipv4" else f":{self.match}:{self.family}"
 
     @property
     def pref(self) -> int:
-        return PORT_RANGE_PREFS[self.match]
+        prefs = PORT_RANGE_PREFS if self.family == "ipv4" else PORT_RANGE_PREFS_IPV6
+        return prefs[self.match]
 
     @property
     def port_key(self) -> str:
@@ -293,7 +314,7 @@ class TcPortRangeMarkStep(EgressMarkStep):
 
     def value(self) -> str:
         return (
-            f"udp {self.match} port {self.first}-{self.last}: dscp {self.dscp} "
+            f"{self.family} udp {self.match} port {self.first}-{self.last}: dscp {self.dscp} "
             f"(tos 0x{self.tos:02x}) priority {self.priority}"
         )
 

@@ -77,6 +77,7 @@ class RxeLinkStep(Step):
     """`rdma link add <device> type rxe netdev <netdev>` (the step's device is the rxe name)."""
 
     kind = "rxe-link"
+    snapshot_is_state = True
     knob = "rxe-link"
     method = "rdma"
 

@@ -913,7 +913,9 @@ def test_5_metaroce_network_rolls_out_and_pods_get_the_library(
                 listing = g.run(f"stat -c '%U %a %n' {library['directory']}", check=True).stdout
                 assert listing.startswith("root 555 "), (g.name, listing)
                 filters = g.run("tc filter show dev eth0 egress", check=True).stdout
-                assert filters.count(f"{MR_PORTS[0]}-{MR_PORTS[1]}") == 2, (g.name, filters)
+                # dst and src, for IPv4 and IPv6 endpoints (a pref holds one protocol)
+                assert filters.count(f"{MR_PORTS[0]}-{MR_PORTS[1]}") == 4, (g.name, filters)
+                assert "protocol ipv6 pref 4794" in filters, (g.name, filters)
                 assert "rxe" not in g.run("rdma link", check=True).stdout, g.name
 
         kube.kubectl("create", "namespace", MR_POD_NAMESPACE, check=False)

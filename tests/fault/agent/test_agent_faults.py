@@ -20,8 +20,9 @@ but no kill:
   clsact qdisc under running jobs;
 - the reference itself is what the spec says: a re-apply is Ready on B with every
   journaled knob verifying; a failed one is Failed naming the step, retried, and back on
-  the last verified state (A's node and journal), or, when a rollback failed too, reports
-  it and keeps A's verified steps and originals journaled; a revert is Reverted with an
+  the last verified state (A's node and journal, A's knobs reported as applied), or, when
+  a rollback failed too, is Degraded with reason RollbackIncomplete, retried, and keeps
+  A's verified steps and originals journaled; a revert is Reverted with an
   empty journal and the node as before the agent, a failed one reports exactly the knobs
   it left as applied;
 - once the steps stop failing, the next pass converges (B applied, or reverted).
@@ -342,6 +343,25 @@ def messages(run: Run) -> str:
     return f"{errors} | {' '.join(ready)}"
 
 
+def ready_reason(run: Run) -> str:
+    """The reason of the Ready condition the agent reported."""
+    status = run.out.get("status") or {}
+    ready = [c for c in status.get("conditions") or [] if c.get("type") == "Ready"]
+    return str(ready[0].get("reason")) if ready else ""
+
+
+def applied_knobs(run: Run) -> set[tuple[str, str, str]]:
+    """(name, device, value) of the knobs the report lists as applied."""
+    qos = (run.out.get("status") or {}).get("qos") or {}
+    return {(k["name"], k.get("device", ""), k.get("value", "")) for k in qos.get("applied") or []}
+
+
+def applied_in(journal: dict[str, Any]) -> set[tuple[str, str, str]]:
+    """(name, device, value) of the reported knobs of a journal's verified steps."""
+    steps = [step_from_record(e["verified"]) for e in journal.values() if e.get("verified")]
+    return {(s.knob, s.device, s.value()[:256]) for s in steps if s.report}
+
+
 def diff(a: dict[str, Any], b: dict[str, Any]) -> str:
     """The keys whose values differ, for a readable failure."""
     lines = []
@@ -452,7 +472,10 @@ def check_reference(sc: Scenario, base: Path, ref_dir: Path, ref: Run) -> None:
         assert not unverified(ref_dir), f"{why}: {unverified(ref_dir)}"
     elif sc.phase == "apply":
         kind = sc.errors[0].removeprefix("apply.step.")
-        assert phase(ref) == "Failed", f"{why}: reported {phase(ref)}: {messages(ref)}"
+        # a failed rollback leaves the node on neither config: Degraded, never Failed
+        # (which would say the verified state is in force)
+        want = "Failed" if len(sc.errors) == 1 else "Degraded"
+        assert phase(ref) == want, f"{why}: reported {phase(ref)}: {messages(ref)}"
         passes = ref.out["passes"]
         assert {p["failed"] for p in passes} == {kind}, f"{why}: the passes failed: {passes}"
         assert len(passes) == 2, f"{why}: not retried: {passes}"
@@ -461,9 +484,14 @@ def check_reference(sc: Scenario, base: Path, ref_dir: Path, ref: Run) -> None:
             # the last verified state: config A's node and journal, nothing of B left
             assert node == a_node, f"{why}: not A's verified state:\n{diff(node, a_node)}"
             assert journal == a_journal, f"{why}: the journal is not A's"
+            assert ready_reason(ref) == "ApplyFailed", f"{why}: {messages(ref)}"
+            # and reported as such: A's knobs are the ones applied
+            assert applied_knobs(ref) == applied_in(a_journal), f"{why}: {status.get('qos')}"
         else:  # a rollback failed: reported, retried, and A's state still journaled
             assert all(p["undo_errors"] for p in passes), f"{why}: rollback errors: {passes}"
             assert "rollback" in {e["step"] for e in status.get("errors") or []}, messages(ref)
+            assert ready_reason(ref) == "RollbackIncomplete", f"{why}: {messages(ref)}"
+            assert "rollback incomplete (retrying" in messages(ref), f"{why}: {messages(ref)}"
             for sid, entry in a_journal.items():
                 kept = journal.get(sid, {})
                 same = [kept.get(k) for k in ("snapshot", "verified", "originalKnown")] == [

@@ -371,10 +371,14 @@ class FixtureNetlink:
 class FixtureHost(Host):
     """A Host over a fixture tree whose configfs behaves like rdma_cm's.
 
-    `unwritable` holds host paths whose writes fail (EACCES), to make a step fail.
+    `unwritable` holds host paths whose writes fail (EACCES), to make a step fail;
+    `read_only` host directories mounted read-only (`mount -o ro`): creating, removing or
+    writing anything under them fails with EROFS before any lookup, so removing what is
+    not there fails too, as rmdir(2) does on a read-only mount.
     """
 
     unwritable: set[str]
+    read_only: set[str]
 
     uses_kernel = False
 
@@ -384,13 +388,20 @@ class FixtureHost(Host):
         kwargs.setdefault("netlink", FixtureNetlink(self))
         super().__init__(root, runner, **kwargs)
         self.unwritable = set()
+        self.read_only = set()
+
+    def _refuse_on_read_only(self, path: str, what: str) -> None:
+        if any(path == top or path.startswith(f"{top}/") for top in self.read_only):
+            raise HostError(f"cannot {what} {path}: Read-only file system")
 
     def write(self, path: str, value: str) -> None:
         if path in self.unwritable:
             raise HostError(f"cannot write {value!r} to {path}: Permission denied")
+        self._refuse_on_read_only(path, f"write {value!r} to")
         super().write(path, value)
 
     def mkdir(self, path: str) -> None:
+        self._refuse_on_read_only(path, "create")
         super().mkdir(path)
         prefix = "/sys/kernel/config/rdma_cm/"
         if path.startswith(prefix) and "/" not in path[len(prefix) :]:
@@ -402,6 +413,7 @@ class FixtureHost(Host):
                 (pdir / "default_roce_tos").write_text("0\n")
 
     def rmdir(self, path: str) -> None:
+        self._refuse_on_read_only(path, "remove")
         shutil.rmtree(self.path(path), ignore_errors=True)
 
 
@@ -641,44 +653,54 @@ class FakeKernel:
             if args[1] == "show":
                 out: list[dict[str, object]] = []
                 for pref, entry in sorted(table.items()):
-                    out.append({"protocol": "ip", "pref": pref, "kind": "flower", "chain": 0})
-                    out.append({"protocol": "ip", "pref": pref, **entry})
+                    proto = entry.get("protocol", "ip")
+                    head = {"protocol": proto, "pref": pref, "kind": "flower", "chain": 0}
+                    out.append(head)
+                    out.append({"pref": pref, **entry, "protocol": proto})
                 return json.dumps(out)
             if "clsact" not in qd:
                 raise _Fail(2, "Error: Parent Qdisc doesn't exists.")
             pref = int(args[args.index("pref") + 1])
+            protocol = args[args.index("protocol") + 1] if "protocol" in args else "all"
+            held = table.get(pref, {}).get("protocol")
+            if held is not None and held != protocol:  # one protocol per pref, as the kernel
+                if args[1] == "del":
+                    raise _Fail(2, "Error: Cannot find specified filter chain.")
+                raise _Fail(2, "Error: Specified filter protocol doesn't match.")
             if args[1] in ("replace", "add"):
                 handle = int(args[args.index("handle") + 1], 0)
-                val = args[args.index("set") + 1]
+                val = int(args[args.index("set") + 1], 16)
                 prio = args[args.index("priority") + 1]
+                v6 = protocol == "ipv6"
+                assert (("ip6" in args) == v6) and (("csum" in args) != v6), args
+                # iproute2's pedit keys: the ToS byte at bits 16-23 of word 0 of the IPv4
+                # header; the traffic class at bits 20-27 of word 0 of the IPv6 header
+                pedit = (
+                    {"htype": "ipv6", "val": f"{val << 20:x}", "mask": "f03fffff"}
+                    if v6
+                    else {"htype": "ipv4", "val": f"{val << 16:x}", "mask": "ff03ffff"}
+                )
+                actions: list[dict[str, object]] = [
+                    {"order": 1, "kind": "pedit", "keys": [{"offset": 0, "cmd": "set", **pedit}]}
+                ]
+                if not v6:  # IPv6 has no header checksum
+                    actions.append({"order": 2, "kind": "csum", "csum": "iph"})
+                actions.append(
+                    {"order": len(actions) + 1, "kind": "skbedit", "priority": f":{int(prio):x}"}
+                )
                 table[pref] = {
                     "kind": "flower",
                     "chain": 0,
+                    "protocol": protocol,
                     "options": {
                         "handle": handle,
                         "keys": {
-                            "eth_type": "ipv4",
+                            "eth_type": "ipv6" if v6 else "ipv4",
                             "ip_proto": "udp",
                             **_port_keys(args),
                         },
                         "not_in_hw": True,
-                        "actions": [
-                            {
-                                "order": 1,
-                                "kind": "pedit",
-                                "keys": [
-                                    {
-                                        "htype": "ipv4",
-                                        "offset": 0,
-                                        "cmd": "set",
-                                        "val": f"{int(val, 16) << 16:x}",
-                                        "mask": "ff03ffff",
-                                    }
-                                ],
-                            },
-                            {"order": 2, "kind": "csum", "csum": "iph"},
-                            {"order": 3, "kind": "skbedit", "priority": f":{int(prio):x}"},
-                        ],
+                        "actions": actions,
                     },
                 }
                 return ""

@@ -93,9 +93,11 @@ def test_plan_without_dcb_marks_the_port_range_both_ways(node, image) -> None:  
     assert lib.directory.startswith(f"{HOST_ROOT}/rdma-a/0.") and plan.library is not None
     assert plan.library.directory == lib.directory and len(plan.library.checksum) == 64
     marks = [s for s in plan.steps if isinstance(s, TcPortRangeMarkStep)]
-    assert [(m.match, m.first, m.last, m.dscp) for m in marks] == [
-        ("dst", 21000, 21999, 26),
-        ("src", 21000, 21999, 26),
+    assert [(m.match, m.family, m.first, m.last, m.dscp) for m in marks] == [
+        ("dst", "ipv4", 21000, 21999, 26),
+        ("src", "ipv4", 21000, 21999, 26),
+        ("dst", "ipv6", 21000, 21999, 26),
+        ("src", "ipv6", 21000, 21999, 26),
     ]
     assert any(isinstance(s, ClsactStep) for s in plan.steps)
     # a device of its own kind: the netdev, no RDMA device, no rxe link, no rdma_cm

@@ -19,7 +19,13 @@ from metaroce_agent.report import (
     change_key,
     merge_patch,
 )
-from metaroce_api import MetaRoceNodeState, MetaRoceNodeStateStatus, ProbePeer, ProbeSummary
+from metaroce_api import (
+    MetaRoceNodeState,
+    MetaRoceNodeStateStatus,
+    ProbePeer,
+    ProbeSummary,
+    constants,
+)
 
 
 def applied_softroce(n):  # type: ignore[no-untyped-def]
@@ -289,6 +295,8 @@ def test_a_revert_that_failed_reports_only_what_it_left(node) -> None:  # type: 
     assert status.transport is not None and not status.transport.ready
     ready = status.conditions[0] if status.conditions else None
     assert ready is not None and "revert incomplete" in ready.message
+    # machine-readable: the operator counts such a node failed, never configured
+    assert ready.reason == constants.NODESTATE_REASON_REVERT_INCOMPLETE
 
 
 def test_a_clean_revert_does_not_complain_about_the_devices_it_removed(node) -> None:  # type: ignore[no-untyped-def]

@@ -42,6 +42,52 @@ def test_nodestate_report() -> None:
     assert report.created == T0
 
 
+def test_nodestate_report_carries_the_ready_reason() -> None:
+    """What tells an unfinished rollback from a node Degraded but configured."""
+    body = minimal_nodestate("net", "node-a")
+    body["status"] = {
+        "phase": "Degraded",
+        "conditions": [
+            {
+                "type": "Ready",
+                "status": "False",
+                "reason": c.NODESTATE_REASON_ROLLBACK_INCOMPLETE,
+                "message": "rollback incomplete (retrying with backoff): ...",
+                "lastTransitionTime": "2026-01-01T00:00:00Z",
+            }
+        ],
+    }
+    report = NodeReport.from_body(body)
+    assert report is not None and report.ready_reason == c.NODESTATE_REASON_ROLLBACK_INCOMPLETE
+    body["status"] = {"phase": "Ready"}
+    report = NodeReport.from_body(body)
+    assert report is not None and report.ready_reason == ""
+
+
+def test_a_failing_node_is_named_by_what_failed_not_by_the_retry_note() -> None:
+    """An agent lists the failure first and the note of its next attempt last; the
+    operator's failingNodes message is the newest error that says what failed (here the
+    knob a rollback left), not when the agent tries again."""
+    body = minimal_nodestate("net", "node-a")
+    body["status"] = {
+        "phase": "Degraded",
+        "errors": [
+            {
+                "step": "apply roce-tos port1 on rxe_eth0",
+                "message": "failpoint; rollback incomplete (retrying): dscp-mark on eth0 left off",
+            },
+            {"step": "rollback", "message": "restore dscp-mark on eth0: tc: busy"},
+            {"step": c.NODESTATE_ERROR_STEP_RETRY, "message": "attempt 1 failed; next in 5 s"},
+        ],
+    }
+    report = NodeReport.from_body(body)
+    assert report is not None
+    assert report.error == "rollback: restore dscp-mark on eth0: tc: busy"
+    body["status"]["errors"] = body["status"]["errors"][-1:]
+    report = NodeReport.from_body(body)
+    assert report is not None and report.error == ""
+
+
 def test_unparseable_status_counts_as_failed_report() -> None:
     body = minimal_nodestate("net", "node-a")
     body["status"] = {"phase": "Exploded"}

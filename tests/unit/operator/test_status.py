@@ -121,6 +121,33 @@ def test_failing_node_degrades_with_its_error() -> None:
     assert "b: apply pfc on ens1f0" in degraded.message
 
 
+def test_a_node_with_an_unfinished_rollback_or_revert_is_failed_not_configured() -> None:
+    """Issue 15: an agent whose rollback (or revert) failed reports Degraded, as a node
+    that runs its config with a problem does; the Ready condition's reason tells them
+    apart, and the first never counts as configured, whatever generation it reports."""
+    half = report(
+        "b",
+        phase="Degraded",
+        ready_reason=c.NODESTATE_REASON_ROLLBACK_INCOMPLETE,
+        error="apply roce-tos: failpoint; rollback incomplete (retrying)",
+    )
+    gone = report("c", phase="Degraded", gen=0, ready_reason=c.NODESTATE_REASON_REVERT_INCOMPLETE)
+    s = compute_status(observed([report("a"), half, gone]), None, T0)
+    assert s.nodes is not None
+    assert (s.nodes.configured, s.nodes.healthy, s.nodes.failed) == (1, 1, 2)
+    assert cond(s, c.CONDITION_READY) == ("False", c.REASON_NODES_FAILED)
+    assert cond(s, c.CONDITION_DEGRADED) == ("True", c.REASON_NODES_FAILED)
+    assert s.failing_nodes is not None
+    reasons = {f.node: f.reason for f in s.failing_nodes}
+    assert reasons == {"b": "AgentRollbackIncomplete", "c": "AgentRevertIncomplete"}
+    # both are final answers of the rollout; a Degraded node with another reason is
+    # configured (and unhealthy) as before
+    assert rollout_settled({r.node: r for r in (report("a"), half, gone)}, 1, 3, None)
+    other = report("b", phase="Degraded", ready_reason=c.NODESTATE_REASON_DEGRADED)
+    s = compute_status(observed([report("a"), other, report("c")]), None, T0)
+    assert s.nodes is not None and (s.nodes.configured, s.nodes.failed) == (3, 0)
+
+
 def test_failing_nodes_are_capped_at_ten() -> None:
     reports = [report(f"n{i:02}", phase="Failed", error="boom") for i in range(25)]
     ds = replace(DONE, desired=25, updated=25, available=25)
