@@ -336,7 +336,7 @@ def pod_clients(
 
     before = after
     t0 = time.monotonic()
-    check = f'LD_LIBRARY_PATH="$MR_LIB_DIR" {MR_BIN}/nccl-net-check --version 12 --bulk-mib 4'
+    check = f'env LD_LIBRARY_PATH="$MR_LIB_DIR" {MR_BIN}/nccl-net-check --version 12 --bulk-mib 4'
     boot = f"--bootstrap {ips[0]}:{NCCL_BOOTSTRAP_PORT}"
     r0, r1, rc0, rc1 = _run_pair(
         kube, namespace, (a, f"{check} --rank 0 {boot}"), (b, f"{check} --rank 1 {boot}"),
@@ -394,19 +394,23 @@ def _kexec(namespace: str, pods: tuple[str, str], ips: tuple[str, str]) -> str:
 
 
 def stage_mpi(kube: Kube, namespace: str, pods: tuple[str, str], ips: tuple[str, str]) -> None:
-    """kubectl and the rsh agent into the launcher (pods[0]); the mpi4py checks into both."""
+    """kubectl into the launcher (pods[0]); the rsh agent and the mpi4py checks into both."""
     launcher = pods[0]
     kube.kubectl("cp", kube.kubectl_bin, f"{namespace}/{launcher}:/tmp/kubectl", timeout=300)
     script = _kexec(namespace, pods, ips)
-    kube.kubectl(
-        "exec", "-i", "-n", namespace, launcher, "--", "sh", "-c",
-        "cat >/tmp/kexec && chmod 755 /tmp/kexec /tmp/kubectl", input=script,
-    )  # fmt: skip
+    # the agent in both pods: Open MPI 4.1's orted opens its rsh component too and
+    # aborts if the configured agent is not there, though with `routed direct` it never
+    # launches anything
     for pod in pods:
+        kube.kubectl(
+            "exec", "-i", "-n", namespace, pod, "--", "sh", "-c",
+            "cat >/tmp/kexec && chmod 755 /tmp/kexec", input=script,
+        )  # fmt: skip
         kube.kubectl(
             "exec", "-i", "-n", namespace, pod, "--", "sh", "-c",
             "cat >/tmp/mpi_checks.py", input=MPI_CHECKS.read_text(),
         )  # fmt: skip
+    kube.kubectl("exec", "-n", namespace, launcher, "--", "chmod", "755", "/tmp/kubectl")
 
 
 def pod_mpi(
@@ -420,8 +424,10 @@ def pod_mpi(
     before = (_stats(kube, namespace, pods[0]), _stats(kube, namespace, pods[1]))
     t0 = time.monotonic()
     mpirun = (
+        # the rsh agent as an environment variable, as MPI Operator sets it
+        "OMPI_MCA_plm_rsh_agent=/tmp/kexec "
         "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 "
-        f"timeout 600 mpirun -np 4 -H {ips[0]}:2,{ips[1]}:2 --mca plm_rsh_agent /tmp/kexec "
+        f"timeout 600 mpirun -np 4 -H {ips[0]}:2,{ips[1]}:2 "
         "--mca routed direct --mca oob_tcp_if_include eth0 "
         "--mca pml cm --mca mtl ofi --mca mtl_ofi_provider_include metaroce "
         "-x OMPI_ALLOW_RUN_AS_ROOT -x OMPI_ALLOW_RUN_AS_ROOT_CONFIRM "
