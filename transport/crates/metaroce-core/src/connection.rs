@@ -411,9 +411,14 @@ impl Connection {
         if self.rnr_stalled && self.credit_limit > self.eager_started {
             self.rnr_stalled = false;
         }
-        self.rate_cap = ack.rate_hint_mbps as f64 / 8.0; // Mbit/s -> bytes/us
-                                                         // The shared delay, from the paths that carry their full share: a path steered
-                                                         // off for CE is kept short of queue on purpose and is no reference.
+        // Mbit/s -> bytes/us
+        self.rate_cap = ack.rate_hint_mbps as f64 / 8.0;
+        // The shared delay, from the paths that carry their full share: a path steered
+        // off for CE is kept short of queue on purpose and is no reference.
+        // The price: when every full-share path crosses the same loaded links (the
+        // unmarked ones while another link marks CE), their common queue is held only by
+        // the shared target (SHARED_QUEUE_FACTOR x 500 us = 4 ms), not the own one; the
+        // simulator's CE scenario shows those paths at about 4 ms srtt.
         let current = || self.paths.iter().filter(|p| p.delay_is_current(now));
         let common = current()
             .filter(|p| p.steer_weight() >= 1.0)
