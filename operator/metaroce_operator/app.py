@@ -245,7 +245,8 @@ class Process:
                     await task
                 except Exception as err:
                     metrics.ERRORS.labels(where="term").inc()
-                    log.error("%s: %r", why, err)
+                    # with the traceback: the repr of an ExceptionGroup names no line
+                    log.error("%s: %r", why, err, exc_info=err)
         await kopf_thread.stop()
         if self.elector.is_leader() and not self.stop.is_set():
             # kopf or the controller died while we still lead: hand over rather than limp on.

@@ -636,6 +636,7 @@ class BatchLoop:
             if not self.dirty:
                 self._wake.clear()
                 await self._wake.wait()
+                continue  # what woke it may be forgotten already: look again
             now = self.clock()
             due = {k for k in self.dirty if now - self.last_flush.get(k, -1e18) >= self.interval}
             due |= self.urgent & self.dirty

@@ -96,3 +96,30 @@ def test_an_urgent_mark_does_not_wait_out_the_interval() -> None:
 
     flushed = asyncio.run(scenario())
     assert len(flushed) == 2 and flushed[1] < 0.5, flushed
+
+
+def test_a_key_forgotten_before_the_loop_wakes_is_not_an_error() -> None:
+    # a network marked and then forgotten (its deletion released) in one go, while the
+    # loop waited with nothing dirty: it woke to an empty set and died on min() of it,
+    # which stopped the controller and ended the leadership term (CI, 2026-12-03)
+    async def scenario() -> tuple[bool, int]:
+        calls = 0
+
+        async def flush(key: str) -> None:
+            nonlocal calls
+            calls += 1
+
+        batch = BatchLoop(flush, interval=0.05)
+        runner = asyncio.create_task(batch.run())
+        await asyncio.sleep(0.01)  # the loop waits: nothing dirty
+        batch.mark("gone")
+        batch.forget("gone")
+        await asyncio.sleep(0.05)
+        batch.mark("net")
+        await asyncio.sleep(0.05)
+        alive = not runner.done()
+        runner.cancel()
+        return alive, calls
+
+    alive, calls = asyncio.run(scenario())
+    assert alive and calls == 1
