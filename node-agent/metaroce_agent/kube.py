@@ -32,8 +32,15 @@ log = logging.getLogger("metaroce.agent.kube")
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 APPLY_PATCH = "application/apply-patch+yaml"
 MERGE_PATCH = "application/merge-patch+json"
-STALE_CONNECTION = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
-"""A kept-alive connection the server closed meanwhile: reconnect and send again."""
+STALE_CONNECTION = (
+    http.client.RemoteDisconnected,
+    BrokenPipeError,
+    ConnectionResetError,
+    ssl.SSLEOFError,
+)
+"""A kept-alive connection the server closed meanwhile: reconnect and send again. Over
+TLS a close without close_notify reads as SSLEOFError ("EOF occurred in violation of
+protocol"): both guests' agents lost their first NodeState write to it in CI."""
 
 
 class KubeError(RuntimeError):

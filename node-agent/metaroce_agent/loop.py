@@ -65,6 +65,11 @@ POLL_SECONDS = 5.0
 """How often the loop looks at the node between passes (config file, inventory)."""
 RETRY_BASE_SECONDS = 5.0
 RETRY_MAX_SECONDS = 300.0
+REPORT_RETRY_BASE_SECONDS = 2.0
+REPORT_RETRY_MAX_SECONDS = 60.0
+"""A NodeState write that failed is tried again on this backoff, not at the next pass:
+with a long drift interval the next pass may be an hour away, and the operator and the
+scheduler wait for the report."""
 LIVENESS_SECONDS = 600.0
 """/livez fails once the loop has not turned for this long: no pass takes minutes, so
 one that does is stuck (in a kernel call, a hung command) and a restart is the cure."""
@@ -229,6 +234,9 @@ class Agent:
         self._allocations: dict[str, str] | None = None
         self.heartbeat = time.monotonic()
         """When the loop last turned (`beat`), for /livez."""
+        self.report_retry_at: float | None = None
+        """When to write the NodeState again after a failed write (None: none failed)."""
+        self._report_failures = 0
         self._warm_up()
 
     def _warm_up(self) -> None:
@@ -631,8 +639,20 @@ class Agent:
         try:
             self.writer.write(status)
         except KubeError as e:
-            log.error("cannot write NodeState %s: %s (retrying next pass)", self.writer.name, e)
+            self._report_failures += 1
+            delay = min(
+                REPORT_RETRY_BASE_SECONDS * 2 ** (self._report_failures - 1),
+                REPORT_RETRY_MAX_SECONDS,
+            )
+            self.report_retry_at = time.monotonic() + delay
+            self.wake.set()  # the loop recomputes its wait
+            log.error(
+                "cannot write NodeState %s: %s (retrying in %.0f s)", self.writer.name, e, delay
+            )
             self.writer._ensured = False
+            return
+        self.report_retry_at = None
+        self._report_failures = 0
 
     def set_probe(self, summary: ProbeSummary | None) -> None:
         """Called by the prober: a summary that changes only with the verdict."""
@@ -778,6 +798,8 @@ class Agent:
             due = [next_drift, time.monotonic() + POLL_SECONDS]
             if self.state.next_retry is not None:
                 due.append(self.state.next_retry)
+            if self.report_retry_at is not None:
+                due.append(self.report_retry_at)
             timeout = max(0.0, min(due) - time.monotonic())
             self.wake.wait(timeout)
             self.wake.clear()
@@ -810,6 +832,11 @@ class Agent:
             if self._retry_due():
                 self.apply_pass()
                 next_drift = time.monotonic() + self.drift_seconds
+                continue
+            if self.report_retry_at is not None and time.monotonic() >= self.report_retry_at:
+                log.info("writing the NodeState again (attempt %d)", self._report_failures + 1)
+                with self._lock:
+                    self.report()
                 continue
             if time.monotonic() >= next_drift:
                 self.drift_pass()

@@ -116,3 +116,16 @@ def test_the_first_report_is_one_post_and_updates_patch_the_object() -> None:
     assert headers["Content-Type"] == "application/merge-patch+json"
     assert json.loads(body or b"") == {"status": {"phase": "Ready"}}
     assert (writer.requests, writer.writes) == (2, 2)
+
+
+def test_a_tls_connection_closed_without_close_notify_is_stale_too() -> None:
+    # "EOF occurred in violation of protocol": a kept-alive TLS connection the server (or
+    # a NAT on the way) dropped; a write on it must go again on a fresh connection
+    stale = FakeConnection(
+        [FakeResponse(200, {}), ssl.SSLEOFError(8, "EOF occurred in violation of protocol")]
+    )
+    fresh = FakeConnection([FakeResponse(201, {"ok": True})])
+    kube = client([stale, fresh])
+    kube.request("GET", "/a")
+    assert kube.create("/apis/x", {}, "metaroce-agent") == {"ok": True}
+    assert stale.closed and [s[0] for s in fresh.sent] == ["POST"]

@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import make_config
 from fakes import FakeKernel, SysfsTree, fixture_agent, running, softroce_node, until
 
 from metaroce_agent import loop
+from metaroce_agent.kube import KubeError
 from metaroce_agent.loop import Agent
 
 TOS = "/sys/kernel/config/rdma_cm/rxe_eth0/ports/1/default_roce_tos"
@@ -72,3 +74,38 @@ def test_backoff_doubles_up_to_a_cap() -> None:
 def _errors(agent: Agent) -> str:
     status = agent.state.status
     return "" if status is None else " | ".join(f"{e.step}: {e.message}" for e in status.errors)
+
+
+class _FlakyWriter:
+    """A NodeState writer whose first `failures` writes cannot reach the apiserver."""
+
+    name = "net.node-1"
+
+    def __init__(self, failures: int) -> None:
+        self.failures = failures
+        self.written: list[str] = []
+        self._ensured = True
+
+    def write(self, status: Any) -> bool:
+        if self.failures > 0:
+            self.failures -= 1
+            raise KubeError(0, "POST ...: cannot reach the apiserver: EOF")
+        self.written.append(status.phase)
+        return True
+
+
+def test_a_failed_report_is_written_again_without_waiting_for_the_next_pass(
+    tmp_path: Path, fast_loop: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the drift interval is an hour: the report must not wait for it (CI, 2026-12-03: both
+    # agents' first NodeState write failed and nothing else wrote it for 420 s)
+    monkeypatch.setattr(loop, "REPORT_RETRY_BASE_SECONDS", 0.1)
+    tree, kernel = softroce_node(tmp_path / "root")
+    agent = _agent(
+        tmp_path, tree, kernel, nics={"interfaceNames": ["eth0"]}, transport={"mode": "softroce"}
+    )
+    writer = _FlakyWriter(failures=2)
+    agent.writer = writer  # type: ignore[assignment]
+    with running(agent) as a:
+        assert until(lambda: "Ready" in writer.written, 5), (writer.written, writer.failures)
+        assert a.report_retry_at is None
