@@ -861,7 +861,7 @@ def _tos_and_agent_restart(
 
     took = _wait("the restarted agent Ready", back, 300)
     shown = sender.run("tc filter show dev eth0 egress", check=True).stdout
-    assert shown.count(ports) == 2, shown  # its marking is back (dst and src port)
+    assert shown.count(ports) == 4, shown  # its marking is back (dst and src, IPv4 and IPv6)
     _wait(
         "the pods' counters exported again by the new agent",
         lambda: _transport_metric(kube, kube.nodes[0], "bytes_sent", pods[0]) > before,
