@@ -640,9 +640,8 @@ class Agent:
             self.writer.write(status)
         except KubeError as e:
             self._report_failures += 1
-            delay = min(
-                REPORT_RETRY_BASE_SECONDS * 2 ** (self._report_failures - 1),
-                REPORT_RETRY_MAX_SECONDS,
+            delay = retry_delay(
+                self._report_failures, REPORT_RETRY_BASE_SECONDS, REPORT_RETRY_MAX_SECONDS
             )
             self.report_retry_at = time.monotonic() + delay
             self.wake.set()  # the loop recomputes its wait
