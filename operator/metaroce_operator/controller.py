@@ -35,25 +35,20 @@ from metaroce_api import InvalidObject, MetaRoceNetwork, parse_duration, validat
 from metaroce_api import constants as c
 from metaroce_api.failpoints import failpoint
 from metaroce_operator import cleanup, events, metrics, probes, taints, upgrade
-from metaroce_operator.apply import ApplyFailed, apply_children
+from metaroce_operator.apply import ApplyFailed, apply_children, failure_status
 from metaroce_operator.claim import CLAIM_ANNOTATION, claim_patch, claimant, split_claim
 from metaroce_operator.conflicts import (
     Conflict,
     created_order,
     find_conflicts,
     holding_conflicts,
-    selector_matches,
 )
-from metaroce_operator.drift import daemonset_drift, rbac_drift
 from metaroce_operator.images import image_refusal
 from metaroce_operator.informer import Informer
 from metaroce_operator.kube import KINDS, ApiError, Kube, NotLeader
 from metaroce_operator.nodelabels import orphaned_labels, plan_labels
 from metaroce_operator.observed import (
-    DaemonSetView,
-    NodeReport,
     NodeView,
-    parse_time,
 )
 from metaroce_operator.probekey import ensure_probe_key, probe_key_secret
 from metaroce_operator.render import RenderContext, config_generation, render_network
@@ -66,18 +61,14 @@ from metaroce_operator.render.common import (
 )
 from metaroce_operator.render.podpolicy import policy_name
 from metaroce_operator.settings import OperatorSettings
-from metaroce_operator.state import Applied, Store
+from metaroce_operator.state import Applied, Store, sick_nodes
 from metaroce_operator.status import (
-    CONFIGURED_PHASES,
     BatchLoop,
-    CleanupView,
     EventSpec,
-    Observed,
     compute_status,
     invalid_status,
     now_utc,
     parse_status,
-    rollout_settled,
     same_status,
     transition_events,
 )
@@ -97,7 +88,6 @@ DAEMONSET = KINDS[("apps/v1", "DaemonSet")]
 CONTROLLER_REVISION = KINDS[("apps/v1", "ControllerRevision")]
 POD_POLICY = KINDS[("admissionregistration.k8s.io/v1", "MutatingAdmissionPolicy")]
 POD_POLICY_BINDING = KINDS[("admissionregistration.k8s.io/v1", "MutatingAdmissionPolicyBinding")]
-OS_LABEL = "kubernetes.io/os"
 DRIFT_CHECKED = ("DaemonSet", "ClusterRole", "ClusterRoleBinding")
 """Children whose owned fields are compared with each watch event (see `drift`)."""
 WATCHED_CHILDREN = (
@@ -108,6 +98,7 @@ WATCHED_CHILDREN = (
     CLUSTERROLEBINDING,
 )
 """Children watched for drift and for the DaemonSet's rollout (labelled as ours)."""
+CHILD_KINDS = frozenset(kind.kind for kind in WATCHED_CHILDREN)
 
 
 def _after_child(kind: str) -> None:
@@ -223,11 +214,22 @@ class Controller:
         if kind == c.NETWORK_KIND:
             self._network_event(event_type, body)
         elif kind == c.NODESTATE_KIND:
-            self._nodestate_event(event_type, body)
-        elif kind == "DaemonSet":
-            self._daemonset_event(event_type, body)
-        elif kind in ("ConfigMap", "ServiceAccount", "ClusterRole", "ClusterRoleBinding"):
-            self._child_event(kind, event_type, body)
+            was, report = self.store.reports.on_event(event_type, body)
+            if was is not None:
+                self.batch.mark(was)
+            if report is not None:
+                urgent = self.store.completes_rollout(report.network)
+                self.batch.mark(report.network, urgent=urgent)
+        elif kind in CHILD_KINDS:
+            children, namespace = self.store.children, self.settings.render.namespace
+            if kind == "DaemonSet":
+                event = children.on_daemonset(event_type, body, namespace)
+            else:
+                event = children.on_child(kind, event_type, body, namespace)
+            if event.network is not None and event.reapply:
+                self._reconcile_later(event.network, event.reapply)
+            if event.network is not None and event.status:
+                self.batch.mark(event.network)
 
     def _network_event(self, event_type: str | None, body: dict[str, Any]) -> None:
         name = body["metadata"]["name"]
@@ -245,84 +247,6 @@ class Controller:
             generation = (old or {}).get("metadata", {}).get("generation")
             if self.store.conflicts.held and generation != body["metadata"].get("generation"):
                 self._kick.set()  # a changed spec may end the conflict holding another
-
-    def _nodestate_event(self, event_type: str | None, body: dict[str, Any]) -> None:
-        was, report = self.store.reports.on_event(event_type, body)
-        if was is not None:
-            self.batch.mark(was)
-        if report is not None:
-            self.batch.mark(report.network, urgent=self._completes_rollout(report.network))
-
-    def _completes_rollout(self, name: str) -> bool:
-        """Whether the report just stored is the last one a rollout waited for, and the
-        written status does not show that yet: then Ready is written at once rather than
-        an interval later. Once per rollout, so still no status write per node event."""
-        applied = self.store.children.applied.get(name)
-        if applied is None or name in self.store.conflicts.held or not self.synced:
-            return False  # before the first list, the status loop waits anyway
-        ds = self.store.children.daemonsets.get(name)
-        eligible = self.store.nodes.eligible.get(name)
-        if ds is not None and ds.observed_current:
-            desired = ds.desired
-        elif eligible is not None:
-            desired = len(eligible)
-        else:
-            return False
-        if self.store.reports.count(name) < desired:  # the common case in a rollout: O(1)
-            return False
-        reports = self.store.reports.of(name)
-        shown = (self.store.status_of(name) or {}).get("nodes") or {}
-        if int(shown.get("configured") or 0) + int(shown.get("failed") or 0) >= desired:
-            return False
-        return rollout_settled(reports, applied.config_generation, desired, eligible)
-
-    def _daemonset_event(self, event_type: str | None, body: dict[str, Any]) -> None:
-        meta = body.get("metadata") or {}
-        network = (meta.get("labels") or {}).get(c.NETWORK_LABEL)
-        if (
-            not network
-            or meta.get("namespace") != self.settings.render.namespace
-            or meta.get("name") != child_name(network)
-        ):
-            return
-        if event_type == "DELETED":
-            self.store.children.daemonsets.pop(network, None)
-            self._reconcile_later(network, "its DaemonSet was deleted")
-        else:
-            view = DaemonSetView.from_body(body, c.CONFIG_HASH_ANNOTATION)
-            self.store.children.daemonsets[network] = view
-            applied = self.store.children.applied.get(network)
-            rendered = self.store.children.rendered.get(network, {}).get("DaemonSet")
-            if applied is not None and view.template_hash != applied.config_hash:
-                self._reconcile_later(network, "its DaemonSet's config hash was changed")
-            elif applied is not None and rendered is not None:
-                edited = daemonset_drift(rendered, body)
-                if edited:
-                    self._reconcile_later(
-                        network, f"its DaemonSet was edited ({', '.join(edited)})"
-                    )
-        self.batch.mark(network)
-
-    def _child_event(self, kind: str, event_type: str | None, body: dict[str, Any]) -> None:
-        """Re-apply a child deleted (or a ConfigMap edited) behind the operator's back."""
-        meta = body.get("metadata") or {}
-        network = (meta.get("labels") or {}).get(c.NETWORK_LABEL)
-        if not network or meta.get("name") != child_name(network):
-            return
-        if meta.get("namespace") not in (None, self.settings.render.namespace):
-            return
-        if event_type == "DELETED":
-            self._reconcile_later(network, f"its {kind} was deleted")
-        elif kind == "ConfigMap":
-            applied = self.store.children.applied.get(network)
-            digest = (meta.get("annotations") or {}).get(c.CONFIG_HASH_ANNOTATION)
-            if applied is not None and digest != applied.config_hash:
-                self._reconcile_later(network, "its ConfigMap was changed")
-        elif kind in ("ClusterRole", "ClusterRoleBinding"):
-            rendered = self.store.children.rendered.get(network, {}).get(kind)
-            edited = rbac_drift(rendered, body) if rendered is not None else []
-            if edited:
-                self._reconcile_later(network, f"its {kind} was edited ({', '.join(edited)})")
 
     def _reconcile_later(self, name: str, why: str) -> None:
         body = self.store.networks.get(name)
@@ -596,10 +520,9 @@ class Controller:
         return holding_conflicts(name, networks, order, labels, reports.netdevs(), reports.nics())
 
     async def _hold(self, name: str, body: dict[str, Any], held: list[Conflict]) -> None:
-        messages = tuple(conflict.held_message() for conflict in held)
-        if self.store.conflicts.held.get(name) != messages:
-            log.warning("%s: rollout held: %s", name, "; ".join(m for m in messages))
-        self.store.conflicts.held[name] = messages
+        messages = self.store.conflicts.hold(name, held)
+        if messages is not None:
+            log.warning("%s: rollout held: %s", name, "; ".join(messages))
         self.store.children.errors.pop(name, None)
         has = c.CLEANUP_FINALIZER in cleanup.finalizers(body)
         if cleanup.wants_finalizer(body) != has:
@@ -613,20 +536,13 @@ class Controller:
         self.batch.mark(name)
 
     def _apply_failed(self, name: str, failure: ApplyFailed) -> None:
-        namespace = failure.obj["metadata"].get("namespace")
-        status = failure.error.status
-        if status == 404 and namespace:
-            self._fail(
-                name,
-                c.REASON_RENDER_FAILED,
-                f"the agent namespace {namespace!r} does not exist: create it (labelled "
-                "pod-security.kubernetes.io/enforce=privileged; the chart does) or start the "
-                "operator with --namespace set to an existing one",
-            )
-        elif status in (400, 403, 422):
-            self._fail(name, c.REASON_RENDER_FAILED, str(failure))
-            if status != 403:  # 403 may be RBAC being fixed: keep retrying
-                raise PermanentFailure(str(failure)) from failure
+        shown = failure_status(failure)
+        if shown is None:
+            return  # retried quietly
+        reason, message, permanent = shown
+        self._fail(name, reason, message)
+        if permanent:
+            raise PermanentFailure(str(failure)) from failure
 
     # -- status -----------------------------------------------------------------------------
 
@@ -653,7 +569,7 @@ class Controller:
             reason, message = error or (c.REASON_INVALID_SPEC, str(err))
             new = invalid_status(previous, generation, reason, message, now_utc())
         else:
-            new = compute_status(self._observed(name, network, applied, error), previous, now_utc())
+            new = compute_status(self.store.observed(name, network, error), previous, now_utc())
             self._track_unhealthy(name, network)
         if new.nodes is not None:
             metrics.set_network_nodes(
@@ -667,35 +583,6 @@ class Controller:
             )
         if not same_status(new, previous):
             await self._write_status(name, body, new, previous)
-
-    def _observed(
-        self,
-        name: str,
-        network: MetaRoceNetwork,
-        applied: Applied | None,
-        error: tuple[str, str] | None,
-        cleanup_view: CleanupView | None = None,
-    ) -> Observed:
-        reports = self.store.reports.of(name)
-        holds = self.store.upgrades.holds.get(name, ())
-        conflicts = self.store.conflicts
-        return Observed(
-            network=network,
-            applied_generation=applied.generation if applied else None,
-            config_generation=applied.config_generation if applied else None,
-            daemonset=self.store.children.daemonsets.get(name),
-            reports=reports,
-            verdicts=probes.judge(reports, network.spec.health.probe),
-            eligible=self.store.nodes.eligible.get(name),
-            conflicts=conflicts.blocking.get(name, ()),
-            held=conflicts.held.get(name, ()),
-            yielded=conflicts.yielded.get(name, ()),
-            taint_note=self.store.taints.notes.get(name, ""),
-            agent_update=upgrade.update_status(network.spec.agent.update_strategy.paused, holds),
-            holding=upgrade.holding(holds),
-            cleanup=cleanup_view,
-            error=error,
-        )
 
     async def _write_status(self, name: str, body: dict[str, Any], new: Any, previous: Any) -> None:
         failpoint("status.before_write")
@@ -718,41 +605,34 @@ class Controller:
 
     def _track_unhealthy(self, name: str, network: MetaRoceNetwork) -> None:
         """Wake the node pass early when the set of probe-failing nodes changed."""
-        unhealthy = self.store.taints.unhealthy
-        if network.spec.health.action != "taint" and not unhealthy.get(name):
+        health = network.spec.health
+        if health.action != "taint" and not self.store.taints.unhealthy.get(name):
             return
         reports = self.store.reports.of(name)
-        verdicts = probes.judge(reports, network.spec.health.probe)
-        sick = frozenset(
-            node
-            for node, r in reports.items()
-            if r.phase in CONFIGURED_PHASES and not verdicts[node].healthy
-        )
-        if unhealthy.replace(name, sick, frozenset()):
+        sick = sick_nodes(reports, probes.judge(reports, health.probe))
+        if self.store.taints.track(name, health.action, sick):
             self._kick.set()
 
     async def _flush_deleting(self, name: str, body: dict[str, Any]) -> None:
-        if c.CLEANUP_FINALIZER not in cleanup.finalizers(body):
-            return
         now = now_utc()
+        timeout = self.settings.cleanup_timeout
         reports = self.store.reports.of(name)
-        nodes = self.store.nodes.names_or_none()
-        view = cleanup.cleanup_view(body, reports, nodes, now, self.settings.cleanup_timeout)
-        if view.pending and not view.timed_out:
-            self._recheck_at(name, cleanup.seconds_left(body, now, self.settings.cleanup_timeout))
+        decision = cleanup.decide(body, reports, self.store.nodes.names_or_none(), now, timeout)
+        if decision is None:
+            return
+        view = decision.view
+        if decision.recheck_in is not None:
+            self._recheck_at(name, decision.recheck_in)
         try:
             network: MetaRoceNetwork | None = validate_network(body)
         except InvalidObject:
             network = None
-        if network is not None and (view.pending or view.timed_out):
+        if network is not None and decision.shows:
             previous = parse_status(self.store.status_of(name))
-            observed = self._observed(
-                name, network, self.store.children.applied.get(name), None, cleanup_view=view
-            )
-            new = compute_status(observed, previous, now)
+            new = compute_status(self.store.observed(name, network, cleanup=view), previous, now)
             if not same_status(new, previous):
                 await self._write_status(name, body, new, previous)
-        if view.pending and not view.timed_out:
+        if not decision.release:
             failpoint("cleanup.waiting")  # nodes still to revert: the finalizer must stay
             return
         if view.timed_out:
@@ -818,14 +698,7 @@ class Controller:
         await self._take_over_gone_claims()
         labels = self.store.nodes.labels()
         for name, network in valid.items():
-            eligible = frozenset(
-                node
-                for node, node_labels in labels.items()
-                if node_labels.get(OS_LABEL) == "linux"
-                and selector_matches(network.spec.node_selector, node_labels)
-            )
-            if self.store.nodes.eligible.get(name) != eligible:
-                self.store.nodes.eligible[name] = eligible
+            if self.store.nodes.select(name, network.spec.node_selector):
                 self.batch.mark(name)
         self._check_conflicts(valid, labels)
         await self._remove_orphaned_taints(known)
@@ -853,13 +726,12 @@ class Controller:
             self.batch.mark(name)
         held = upgrade.holding(holds)
         rendered = self.store.children.rendered_holding.get(name)
-        if rendered is not None and rendered != bool(held):
+        step = upgrade.next_step(held, rendered, strategy.paused)
+        if step == "reapply":
             why = "a node holds off agent updates" if held else "no node holds agent updates"
             self._reconcile_later(name, why)
-            return
-        if not held or strategy.paused or not rendered:
-            return
-        await self._replace_outdated_agents(name, network, held)
+        elif step == "replace":
+            await self._replace_outdated_agents(name, network, held)
 
     async def _replace_outdated_agents(
         self, name: str, network: MetaRoceNetwork, held: frozenset[str]
@@ -896,10 +768,7 @@ class Controller:
         labels = self.store.nodes.labels()
         phases = {node: r.phase for node, r in self.store.reports.of(name).items()}
         clock = time.monotonic()
-        asked = self.store.labels.revert_asked.setdefault(name, {})
-        timed_out = {
-            node for node, since in asked.items() if clock - since > self.settings.cleanup_timeout
-        }
+        timed_out = self.store.labels.timed_out(name, clock, self.settings.cleanup_timeout)
         plan = plan_labels(
             label,
             self.store.nodes.eligible.get(name, frozenset()),
@@ -911,14 +780,12 @@ class Controller:
         for node, value in plan.items():
             await self._set_node_label(node, label, value)
             failpoint("labels.after_set")
+            self.store.labels.labelled(name, node, value, clock)
             if value == c.NODE_REVERT:
-                asked.setdefault(node, clock)
                 log.info("%s: node %s left the network: asked its agent to revert it", name, node)
-            else:
-                asked.pop(node, None)
-                if value is None:
-                    why = "timed out reverting" if node in timed_out else "left the network"
-                    log.info("%s: node %s %s: its agent goes", name, node, why)
+            elif value is None:
+                why = "timed out reverting" if node in timed_out else "left the network"
+                log.info("%s: node %s %s: its agent goes", name, node, why)
 
     async def _set_node_label(self, node: str, label: str, value: str | None) -> None:
         patch = {"metadata": {"labels": {label: value}}}
@@ -959,45 +826,19 @@ class Controller:
         order = {name: created_order(self.store.networks.get(name) or {}) for name in contenders}
         reports = self.store.reports
         found = find_conflicts(contenders.values(), labels, reports.netdevs(), reports.nics())
-        held = self.store.conflicts.held
-        for name in valid:
-            blocking: list[str] = []
-            yielded: list[str] = []
-            holding: list[str] = []
-            for conflict in found.get(name, []):
-                if order[conflict.other] < order[name]:
-                    holding.append(conflict.held_message())
-                    if name not in held:  # rolled out before the conflict arose
-                        blocking.append(conflict.message())
-                elif conflict.other in held:
-                    yielded.append(conflict.yielded_message())
-                else:
-                    blocking.append(conflict.message())
-            if name in held:
-                if not holding:
-                    log.info("%s: its NIC conflict is gone; resuming the rollout", name)
-                    self._spawn(self._reconcile_retrying(name), f"reconcile {name}")
-                elif held.replace(name, tuple(holding), ()):
-                    self.batch.mark(name)
-            if self.store.conflicts.blocking.replace(name, tuple(blocking), ()):
-                self.batch.mark(name)
-                for message in blocking:
-                    log.warning("%s: NIC conflict: %s", name, message)
-            if self.store.conflicts.yielded.replace(name, tuple(yielded), ()):
-                self.batch.mark(name)
+        verdict = self.store.conflicts.judge(valid, found, order)
+        for name in verdict.resume:
+            log.info("%s: its NIC conflict is gone; resuming the rollout", name)
+            self._spawn(self._reconcile_retrying(name), f"reconcile {name}")
+        for name, message in verdict.new_blocking:
+            log.warning("%s: NIC conflict: %s", name, message)
+        for name in verdict.changed:
+            self.batch.mark(name)
 
     async def _collect_garbage(self, live_networks: set[str]) -> None:
         nodes = self.store.nodes.view()
-        now = now_utc()
-        doomed: list[NodeReport] = []
-        for network, by_node in self.store.reports.every():
-            for node, report in by_node.items():
-                gone = node not in nodes or network not in live_networks
-                age = (now - report.created).total_seconds() if report.created else 1e9
-                if gone and age >= self.settings.nodestate_grace:
-                    doomed.append(report)
-        for report in doomed:
-            why = "node" if report.node not in nodes else "network"
+        grace = self.settings.nodestate_grace
+        for report, why in self.store.reports.orphans(nodes, live_networks, now_utc(), grace):
             if await self.kube.delete(NODESTATE, report.name, uid=report.uid or None):
                 log.info("deleted NodeState %s: its %s no longer exists", report.name, why)
 
@@ -1006,17 +847,10 @@ class Controller:
         by hand, or the operator down while it went): the garbage collector then takes
         the agents and the rest. Children owned by a network are the collector's."""
         selector = f"{c.MANAGED_BY_LABEL}={c.MANAGED_BY},{c.COMPONENT_LABEL}={c.COMPONENT_AGENT}"
-        now = now_utc()
-        for role in await self.kube.list_items(CLUSTERROLE, label_selector=selector, cached=True):
-            meta = role.get("metadata") or {}
-            network = (meta.get("labels") or {}).get(c.NETWORK_LABEL, "")
-            owners = {ref.get("kind") for ref in meta.get("ownerReferences") or []}
-            if not network or network in live or c.NETWORK_KIND in owners:
-                continue  # a network's own children are the garbage collector's
-            created = parse_time(meta.get("creationTimestamp"))
-            if created and (now - created).total_seconds() < self.settings.nodestate_grace:
-                continue  # its network may be too new for the list
-            if await self.kube.delete(CLUSTERROLE, meta["name"], uid=meta.get("uid")):
+        roles = await self.kube.list_items(CLUSTERROLE, label_selector=selector, cached=True)
+        grace = self.settings.nodestate_grace
+        for name, uid, network in cleanup.orphaned_anchors(roles, live, now_utc(), grace):
+            if await self.kube.delete(CLUSTERROLE, name, uid=uid):
                 log.info("deleted the agents of network %s, which no longer exists", network)
 
     async def _delete_nodestates(self, network: str) -> None:
@@ -1028,12 +862,7 @@ class Controller:
     async def _taints(self, name: str, network: MetaRoceNetwork, live: set[str]) -> None:
         health = network.spec.health
         reports = self.store.reports.of(name)
-        verdicts = probes.judge(reports, health.probe)
-        sick = {
-            node
-            for node, r in reports.items()
-            if r.phase in CONFIGURED_PHASES and not verdicts[node].healthy
-        }
+        sick = sick_nodes(reports, probes.judge(reports, health.probe))
         members = set(self.store.nodes.eligible.get(name) or reports)
         plan = taints.plan_taints(
             name,
