@@ -148,6 +148,18 @@ def _kinds() -> dict[tuple[str, str], Kind]:
         Kind("coordination.k8s.io/v1", "Lease", "leases", True),
         Kind(
             "admissionregistration.k8s.io/v1",
+            "MutatingWebhookConfiguration",
+            "mutatingwebhookconfigurations",
+            False,
+        ),
+        Kind(
+            "admissionregistration.k8s.io/v1",
+            "ValidatingWebhookConfiguration",
+            "validatingwebhookconfigurations",
+            False,
+        ),
+        Kind(
+            "admissionregistration.k8s.io/v1",
             "MutatingAdmissionPolicy",
             "mutatingadmissionpolicies",
             False,

@@ -346,6 +346,10 @@ class SecretWatch:
         self._write(secret.data)  # type: ignore[arg-type]
         return self.ready.is_set()
 
+    def show(self, bundle: CertBundle) -> None:
+        """Write a bundle the leader just put in the Secret (its watch event follows)."""
+        self._write(bundle.secret_data())
+
     def _write(self, data: Mapping[str, str] | None) -> None:
         bundle = CertBundle.from_secret_data(dict(data or {}))
         if bundle is None or bundle == self._last:

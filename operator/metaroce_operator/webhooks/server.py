@@ -29,6 +29,7 @@ operator can embed `WebhookApp` instead (see `WebhookApp.start`).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
 import contextlib
 import gc
@@ -48,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from metaroce_api.constants import WEBHOOK_MUTATE_PATH, WEBHOOK_VALIDATE_PATH
+from metaroce_operator.kube import Credentials, Kube, load_credentials
 from metaroce_operator.webhooks import certs, metrics
 from metaroce_operator.webhooks.mutate import Allowed, Denied, Namespace, NetworkView, mutate_pod
 from metaroce_operator.webhooks.validate import validate_network_change
@@ -670,11 +672,14 @@ class WebhookApp:
     """Network watch + caches + (optional) certificate Secret sync/rotation + HTTPS server.
 
     The operator embeds it as: `app = WebhookApp(options, api_client); app.start()` in
-    every replica (with `cert_secret` or a mounted `cert_dir`), and runs
-    `app.rotate_certificates()` from the leader only (or sets `manage_certs` in a
-    single-replica set-up). `app.stop()` on shutdown."""
+    every replica (with `cert_secret` or a mounted `cert_dir`), and awaits
+    `app.rotate_certificates(kube)` from the leader only, on its own loop and client (a
+    standalone single-replica webhook sets `manage_certs` and passes `creds`).
+    `app.stop()` on shutdown."""
 
-    def __init__(self, options: AppOptions, api_client: Any) -> None:
+    def __init__(
+        self, options: AppOptions, api_client: Any, creds: Credentials | None = None
+    ) -> None:
         from metaroce_operator.webhooks.cache import (
             NamespaceLabels,
             NetworkWatch,
@@ -684,6 +689,7 @@ class WebhookApp:
 
         self.options = options
         self.api_client = api_client
+        self.creds = creds
         self.watch = NetworkWatch(api_client)
         self.namespaces = NamespaceLabels(api_client, options.namespace_ttl)
         self.nodes = NodeLabels(api_client, options.node_ttl)
@@ -715,35 +721,52 @@ class WebhookApp:
         self.server: WebhookServer | None = None
         self._stop = threading.Event()
 
-    def rotate_certificates(self, *, force: bool = False, force_ca: bool = False) -> str | None:
-        """Leader: make the Secret valid (create/rotate) and publish its CA bundle."""
-        from kubernetes import client
-
+    async def rotate_certificates(
+        self, kube: Kube, *, force: bool = False, force_ca: bool = False
+    ) -> str | None:
+        """Leader: make the Secret valid (create/rotate) and publish its CA bundle, through
+        `kube` (the operator's own client: the leader passes its lease-gated view)."""
         if self.secret_ref is None:
             raise RuntimeError("no certificate Secret configured: pass cert_secret")
         namespace, name = self.secret_ref
-        bundle, changed = certs.ensure_secret(
-            client.CoreV1Api(self.api_client),
+        bundle, changed = await certs.ensure_secret(
+            kube,
             namespace,
             name,
             certs.service_dns_names(self.options.service, self.options.service_namespace),
             force=force,
             force_ca=force_ca,
         )
-        certs.patch_ca_bundles(
-            client.AdmissionregistrationV1Api(self.api_client),
+        await certs.patch_ca_bundles(
+            kube,
             bundle.ca_bundle,
             mutating=self.options.mutating_configs,
             validating=self.options.validating_configs,
         )
         if self.secret_watch is not None:
-            self.secret_watch.sync_once()
+            self.secret_watch.show(bundle)  # now, rather than when the watch sees it
         return changed
+
+    def _rotate_standalone(self) -> str | None:
+        """`manage_certs` (a standalone, single-replica webhook): one rotation on a client
+        of its own, from a thread with no event loop."""
+        if self.creds is None:
+            raise RuntimeError("manage_certs needs the API credentials (creds)")
+        creds = self.creds
+
+        async def rotate() -> str | None:
+            kube = Kube(creds, user_agent="metaroce-webhook")
+            try:
+                return await self.rotate_certificates(kube)
+            finally:
+                await kube.close()
+
+        return asyncio.run(rotate())
 
     def _rotation_loop(self) -> None:
         while not self._stop.wait(self.options.cert_check_interval):
             try:
-                self.rotate_certificates()
+                self._rotate_standalone()
             except Exception as exc:
                 log.warning("webhook: certificate check failed (%s); retrying later", exc)
 
@@ -753,7 +776,7 @@ class WebhookApp:
         returns without serving only when `stop()` is called meanwhile."""
         self.watch.start()
         if self.options.manage_certs:
-            self.rotate_certificates()
+            self._rotate_standalone()
             threading.Thread(target=self._rotation_loop, daemon=True, name="webhook-certs").start()
         if self.secret_watch is not None:
             self.secret_watch.start()
@@ -936,7 +959,8 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
         from prometheus_client import start_http_server
 
         start_http_server(args.metrics_port)
-    app = WebhookApp(options, load_api_client(args.kubeconfig))
+    creds = load_credentials(args.kubeconfig) if args.manage_certs else None
+    app = WebhookApp(options, load_api_client(args.kubeconfig), creds)
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
