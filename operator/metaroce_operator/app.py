@@ -90,14 +90,9 @@ class Process:
     # -- webhooks --------------------------------------------------------------------------
 
     def _start_webhook(self) -> None:
-        """Serve the webhooks in every replica (threads of their own: the stdlib server and
-        the kubernetes client's watches block)."""
-        from metaroce_operator.webhooks.server import (
-            AppOptions,
-            WebhookApp,
-            load_api_client,
-            tune_for_latency,
-        )
+        """Serve the webhooks in every replica (threads of their own: the stdlib server
+        blocks; its API reads run on a loop of its own, see webhooks.apiloop)."""
+        from metaroce_operator.webhooks.server import AppOptions, WebhookApp, tune_for_latency
 
         w = self.settings.webhook
         namespace, _ = w.secret_ref
@@ -112,7 +107,7 @@ class Process:
             port=w.port,
             allowed_agent_images=self.settings.render.allowed_agent_images,
         )
-        app = WebhookApp(options, load_api_client(self.settings.kubeconfig))
+        app = WebhookApp(options, self.creds)
         self.webhook = app
 
         def serve() -> None:

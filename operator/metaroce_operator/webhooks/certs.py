@@ -314,7 +314,7 @@ def plan_rotation(
     return RotationPlan(CertBundle(cert, key, b"".join(bundle_pems), ca_key), "; ".join(reasons))
 
 
-# --- the Secret and the webhook configurations (kubernetes client) ------------------------------
+# --- the Secret and the webhook configurations (through metaroce_operator.kube) ----------------
 
 
 def _secret_body(name: str, namespace: str, bundle: CertBundle, version: str | None) -> Any:

@@ -29,7 +29,6 @@ operator can embed `WebhookApp` instead (see `WebhookApp.start`).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import base64
 import contextlib
 import gc
@@ -51,6 +50,7 @@ from typing import Any
 from metaroce_api.constants import WEBHOOK_MUTATE_PATH, WEBHOOK_VALIDATE_PATH
 from metaroce_operator.kube import Credentials, Kube, load_credentials
 from metaroce_operator.webhooks import certs, metrics
+from metaroce_operator.webhooks.apiloop import ApiLoop
 from metaroce_operator.webhooks.mutate import Allowed, Denied, Namespace, NetworkView, mutate_pod
 from metaroce_operator.webhooks.validate import validate_network_change
 
@@ -671,15 +671,14 @@ class AppOptions:
 class WebhookApp:
     """Network watch + caches + (optional) certificate Secret sync/rotation + HTTPS server.
 
-    The operator embeds it as: `app = WebhookApp(options, api_client); app.start()` in
-    every replica (with `cert_secret` or a mounted `cert_dir`), and awaits
+    The operator embeds it as: `app = WebhookApp(options, creds); app.start()` in every
+    replica (with `cert_secret` or a mounted `cert_dir`), and awaits
     `app.rotate_certificates(kube)` from the leader only, on its own loop and client (a
-    standalone single-replica webhook sets `manage_certs` and passes `creds`).
-    `app.stop()` on shutdown."""
+    standalone single-replica webhook sets `manage_certs`: the rotation then runs on the
+    webhook's API loop). Every API read goes through `ApiLoop`, the operator's client on
+    a loop of the webhook's own. `app.stop()` on shutdown."""
 
-    def __init__(
-        self, options: AppOptions, api_client: Any, creds: Credentials | None = None
-    ) -> None:
+    def __init__(self, options: AppOptions, creds: Credentials) -> None:
         from metaroce_operator.webhooks.cache import (
             NamespaceLabels,
             NetworkWatch,
@@ -688,11 +687,11 @@ class WebhookApp:
         )
 
         self.options = options
-        self.api_client = api_client
         self.creds = creds
-        self.watch = NetworkWatch(api_client)
-        self.namespaces = NamespaceLabels(api_client, options.namespace_ttl)
-        self.nodes = NodeLabels(api_client, options.node_ttl)
+        self.api = ApiLoop(creds)
+        self.watch = NetworkWatch(self.api)
+        self.namespaces = NamespaceLabels(self.api, options.namespace_ttl)
+        self.nodes = NodeLabels(self.api, options.node_ttl)
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         cert_dir = options.cert_dir
         if cert_dir is None:
@@ -704,7 +703,7 @@ class WebhookApp:
         )
         self.secret_ref = tuple(secret.split("/", 1)) if secret else None
         self.secret_watch = (
-            SecretWatch(api_client, self.secret_ref[0], self.secret_ref[1], cert_dir)
+            SecretWatch(self.api, self.secret_ref[0], self.secret_ref[1], cert_dir)
             if self.secret_ref and options.cert_dir is None
             else None
         )
@@ -748,20 +747,9 @@ class WebhookApp:
         return changed
 
     def _rotate_standalone(self) -> str | None:
-        """`manage_certs` (a standalone, single-replica webhook): one rotation on a client
-        of its own, from a thread with no event loop."""
-        if self.creds is None:
-            raise RuntimeError("manage_certs needs the API credentials (creds)")
-        creds = self.creds
-
-        async def rotate() -> str | None:
-            kube = Kube(creds, user_agent="metaroce-webhook")
-            try:
-                return await self.rotate_certificates(kube)
-            finally:
-                await kube.close()
-
-        return asyncio.run(rotate())
+        """`manage_certs` (a standalone, single-replica webhook): one rotation on the
+        webhook's own API loop."""
+        return self.api.call(self.rotate_certificates, timeout=120)
 
     def _rotation_loop(self) -> None:
         while not self._stop.wait(self.options.cert_check_interval):
@@ -835,6 +823,7 @@ class WebhookApp:
         self.watch.stop()
         if self.server is not None:
             self.server.stop()
+        self.api.stop()
         if self._tmp is not None:
             self._tmp.cleanup()
 
@@ -910,18 +899,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_api_client(kubeconfig: str | None) -> Any:
-    from kubernetes import client, config
-
-    if kubeconfig:
-        return config.new_client_from_config(config_file=kubeconfig)  # type: ignore[no-untyped-call]
-    try:
-        config.load_incluster_config()  # type: ignore[no-untyped-call]
-        return client.ApiClient()
-    except config.ConfigException:
-        return config.new_client_from_config()  # type: ignore[no-untyped-call]
-
-
 def serve_main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(
@@ -959,8 +936,7 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
         from prometheus_client import start_http_server
 
         start_http_server(args.metrics_port)
-    creds = load_credentials(args.kubeconfig) if args.manage_certs else None
-    app = WebhookApp(options, load_api_client(args.kubeconfig), creds)
+    app = WebhookApp(options, load_credentials(args.kubeconfig))
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
