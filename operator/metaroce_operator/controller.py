@@ -36,7 +36,7 @@ from metaroce_api import constants as c
 from metaroce_api.failpoints import failpoint
 from metaroce_operator import cleanup, events, metrics, probes, taints, upgrade
 from metaroce_operator.apply import ApplyFailed, apply_children, failure_status
-from metaroce_operator.claim import CLAIM_ANNOTATION, claim_patch, claimant, split_claim
+from metaroce_operator.claim import Claimer
 from metaroce_operator.conflicts import (
     Conflict,
     created_order,
@@ -64,7 +64,6 @@ from metaroce_operator.settings import OperatorSettings
 from metaroce_operator.state import Applied, Store, sick_nodes
 from metaroce_operator.status import (
     BatchLoop,
-    EventSpec,
     compute_status,
     invalid_status,
     now_utc,
@@ -128,6 +127,12 @@ class Controller:
             self.kube, NODESTATE, lambda t, body: self.on_event(c.NODESTATE_KIND, t, body)
         )
         self.store = Store(self.nodestates.synced)
+        self.claims = Claimer(
+            self.kube,
+            self.store,
+            f"{settings.lease_namespace}/{settings.lease_name}",
+            settings.identity,
+        )
         # The children, on this loop and this client like the NodeStates (kopf watched
         # them before, on its thread, as an event pump that wrote nothing).
         self.children = [
@@ -273,89 +278,13 @@ class Controller:
 
     # -- the claim (one operator per network, see `claim`) ---------------------------------
 
-    @property
-    def lease_ref(self) -> str:
-        return f"{self.settings.lease_namespace}/{self.settings.lease_name}"
-
     def _mine(self, body: Mapping[str, Any]) -> bool:
-        return claimant(body) == self.lease_ref
-
-    async def _claim(self, name: str, body: dict[str, Any]) -> bool:
-        """Whether this operator may act on the network: it holds the claim, or takes it
-        (unclaimed, or claimed by an operator whose Lease is gone)."""
-        for _ in range(3):
-            claim = claimant(body)
-            if claim == self.lease_ref:
-                self._not_foreign(name)
-                return True
-            if claim is not None and not await self._claimant_gone(claim):
-                await self._foreign(name, body, claim)
-                return False
-            try:
-                result = await self.kube.patch(NETWORK, name, claim_patch(body, self.lease_ref))
-            except ApiError as err:
-                if err.status != 409:
-                    raise
-                fresh = await self.kube.get_or_none(NETWORK, name)  # another leader raced us
-                if fresh is None:
-                    return False
-                body = fresh
-                continue
-            if claim is None:
-                log.info("%s: claimed by this operator (lease %s)", name, self.lease_ref)
-            else:
-                log.warning(
-                    "%s: took it over from the operator of lease %s, which no longer exists",
-                    name, claim,
-                )  # fmt: skip
-            self.store.set_network(result)
-            self._not_foreign(name)
-            return True
-        return False
-
-    async def _claimant_gone(self, claim: str) -> bool:
-        """Whether the claimant's Lease no longer exists (its release is uninstalled). An
-        expired Lease is an operator that is down, not gone: its agents still run."""
-        where = split_claim(claim)
-        if where is None:
-            return False  # not a Lease reference: a person must look (see `_foreign`)
-        try:
-            await self.kube.get(LEASE, where[1], where[0])
-        except ApiError as err:
-            if err.status == 404:
-                return True
-            if err.status == 403:  # a lease name the chart's RBAC does not cover
-                log.debug("cannot read the claimant's lease %s: %s", claim, err)
-                return False
-            raise
-        return False
-
-    async def _foreign(self, name: str, body: dict[str, Any], claim: str) -> None:
-        if self.store.claims.foreign.get(name) == claim:
-            return
-        self.store.claims.foreign[name] = claim
-        metrics.FOREIGN_NETWORKS.set(len(self.store.claims.foreign))
-        message = (
-            f"network {name} is managed by the operator of lease {claim}; this operator "
-            f"(lease {self.lease_ref}) leaves it alone. Run one operator per cluster, or, "
-            f"if that operator is gone for good, remove the claim: kubectl annotate "
-            f"{c.NETWORK_PLURAL} {name} {CLAIM_ANNOTATION}-"
-        )
-        log.warning("%s", message)
-        spec = EventSpec("Warning", "ClaimedByAnotherOperator", message)
-        await events.post(self.kube, body, spec, self.settings.identity)
-
-    def _not_foreign(self, name: str) -> None:
-        if self.store.claims.foreign.pop(name, None) is not None:
-            metrics.FOREIGN_NETWORKS.set(len(self.store.claims.foreign))
+        return self.claims.mine(body)
 
     async def _take_over_gone_claims(self) -> None:
         """Node pass: reconcile a foreign network whose claimant's Lease is gone."""
-        for name, claim in list(self.store.claims.foreign.items()):
-            if await self._claimant_gone(claim):
-                log.info("%s: its operator (lease %s) is gone; taking it over", name, claim)
-                self.store.claims.foreign.pop(name, None)
-                self._spawn(self._reconcile_retrying(name), f"reconcile {name}")
+        for name in await self.claims.take_over_gone():
+            self._spawn(self._reconcile_retrying(name), f"reconcile {name}")
 
     # -- reconcile ------------------------------------------------------------------------
 
@@ -386,7 +315,7 @@ class Controller:
 
     async def _reconcile(self, name: str, body: dict[str, Any]) -> None:
         self.store.set_network(body)
-        if not await self._claim(name, body):
+        if not await self.claims.claim(name, body):
             return  # another operator's network: no children, status, taints or cleanup
         try:
             network = validate_network(body)
