@@ -13,9 +13,13 @@ their network, and the observed ones refuse to be read before their first list
   DaemonSet), the cleanup finalizer; deterministic, so a restart re-applies no-ops.
 - status: watch events only mark a network dirty; `BatchLoop` computes its status at
   most once per interval and writes only when it differs (idle = no writes).
-- node pass (periodic): garbage-collects NodeStates of nodes and networks that are gone,
-  re-checks NIC conflicts between networks (resuming a held rollout once its conflict
-  is gone), sets and clears probe taints.
+- node pass (periodic, `nodepass.NodePass`): garbage-collects NodeStates of nodes and
+  networks that are gone, re-checks NIC conflicts between networks (resuming a held
+  rollout once its conflict is gone), sets node labels and probe taints.
+- the claim (one operator per network): `claim.Claimer`.
+
+The decisions that need no I/O are the concerns' own (`state`, and plain functions in
+`cleanup`, `upgrade`, `apply`); this module and `nodepass` do their I/O.
 - NIC conflicts: a network that conflicts with an older one is held: its children are
   not applied (no DaemonSet onto the contested NICs) until the conflict is gone.
 """
@@ -26,27 +30,25 @@ import asyncio
 import contextlib
 import functools
 import logging
-import time
 from collections import defaultdict
 from collections.abc import Coroutine, Mapping
 from typing import Any
 
-from metaroce_api import InvalidObject, MetaRoceNetwork, parse_duration, validate_network
+from metaroce_api import InvalidObject, MetaRoceNetwork, validate_network
 from metaroce_api import constants as c
 from metaroce_api.failpoints import failpoint
-from metaroce_operator import cleanup, events, metrics, probes, taints, upgrade
+from metaroce_operator import cleanup, events, metrics, probes, upgrade
 from metaroce_operator.apply import ApplyFailed, apply_children, failure_status
 from metaroce_operator.claim import Claimer
 from metaroce_operator.conflicts import (
     Conflict,
     created_order,
-    find_conflicts,
     holding_conflicts,
 )
 from metaroce_operator.images import image_refusal
 from metaroce_operator.informer import Informer
 from metaroce_operator.kube import KINDS, ApiError, Kube, NotLeader
-from metaroce_operator.nodelabels import orphaned_labels, plan_labels
+from metaroce_operator.nodepass import NodePass
 from metaroce_operator.observed import (
     NodeView,
 )
@@ -57,7 +59,6 @@ from metaroce_operator.render.common import (
     anchor_kind,
     child_name,
     config_hash,
-    selector_labels,
 )
 from metaroce_operator.render.podpolicy import policy_name
 from metaroce_operator.settings import OperatorSettings
@@ -122,7 +123,6 @@ class Controller:
         self._locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         """Per network, kept for the term (a lock forgotten while held would not exclude)."""
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._kick = asyncio.Event()
         self.nodestates = Informer(
             self.kube, NODESTATE, lambda t, body: self.on_event(c.NODESTATE_KIND, t, body)
         )
@@ -132,6 +132,15 @@ class Controller:
             self.store,
             f"{settings.lease_namespace}/{settings.lease_name}",
             settings.identity,
+        )
+        self.nodepass = NodePass(
+            self.kube,
+            settings,
+            self.store,
+            self.claims,
+            mark=self.batch.mark,
+            reconcile_later=self._reconcile_later,
+            reconcile_soon=self._reconcile_soon,
         )
         # The children, on this loop and this client like the NodeStates (kopf watched
         # them before, on its thread, as an event pump that wrote nothing).
@@ -165,7 +174,7 @@ class Controller:
             for informer in self.children:
                 group.create_task(informer.run(), name=f"{informer.kind.kind} watch")
             group.create_task(self._after_sync(self.batch.run()), name="status batching")
-            group.create_task(self._after_sync(self._node_pass_loop()), name="node pass")
+            group.create_task(self._after_sync(self.nodepass.run()), name="node pass")
 
     async def _after_sync(self, work: Coroutine[Any, Any, None]) -> None:
         try:
@@ -242,22 +251,25 @@ class Controller:
             self.store.forget_network(name)
             self.batch.forget(name)
             metrics.forget_network(name)
-            self._spawn(self._delete_nodestates(name), f"delete NodeStates of {name}")
+            self._spawn(self.nodepass.delete_nodestates(name), f"delete NodeStates of {name}")
             if self.store.conflicts.held:
-                self._kick.set()  # a held network may resume now
+                self.nodepass.kick.set()  # a held network may resume now
             return
         old = self.store.networks.get(name)
         if self.store.set_network(body):
             self.batch.mark(name)
             generation = (old or {}).get("metadata", {}).get("generation")
             if self.store.conflicts.held and generation != body["metadata"].get("generation"):
-                self._kick.set()  # a changed spec may end the conflict holding another
+                self.nodepass.kick.set()  # a changed spec may end the conflict holding another
 
     def _reconcile_later(self, name: str, why: str) -> None:
         body = self.store.networks.get(name)
         if body is None or cleanup.deleting(body) or not self.store.children.known(name):
             return
         log.info("re-applying the children of %s: %s", name, why)
+        self._spawn(self._reconcile_retrying(name), f"reconcile {name}")
+
+    def _reconcile_soon(self, name: str) -> None:
         self._spawn(self._reconcile_retrying(name), f"reconcile {name}")
 
     async def _reconcile_retrying(self, name: str) -> None:
@@ -280,11 +292,6 @@ class Controller:
 
     def _mine(self, body: Mapping[str, Any]) -> bool:
         return self.claims.mine(body)
-
-    async def _take_over_gone_claims(self) -> None:
-        """Node pass: reconcile a foreign network whose claimant's Lease is gone."""
-        for name in await self.claims.take_over_gone():
-            self._spawn(self._reconcile_retrying(name), f"reconcile {name}")
 
     # -- reconcile ------------------------------------------------------------------------
 
@@ -540,7 +547,7 @@ class Controller:
         reports = self.store.reports.of(name)
         sick = sick_nodes(reports, probes.judge(reports, health.probe))
         if self.store.taints.track(name, health.action, sick):
-            self._kick.set()
+            self.nodepass.kick.set()
 
     async def _flush_deleting(self, name: str, body: dict[str, Any]) -> None:
         now = now_utc()
@@ -590,221 +597,3 @@ class Controller:
 
     def _recheck_at(self, name: str, delay: float) -> None:
         self.store.cleanup.recheck_at(name, delay + 0.5, lambda: self.batch.mark(name))
-
-    # -- the node pass ----------------------------------------------------------------------
-
-    async def _node_pass_loop(self) -> None:
-        await asyncio.sleep(min(2.0, self.settings.housekeeping_interval))
-        while True:
-            try:
-                await self.node_pass()
-            except NotLeader:
-                raise
-            except Exception as err:
-                metrics.ERRORS.labels(where="nodes").inc()
-                log.warning("node pass failed: %s", err)
-            self._kick.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._kick.wait(), self.settings.housekeeping_interval)
-
-    async def node_pass(self) -> None:
-        node_bodies = await self.kube.list_items(NODE, cached=True)
-        self.store.nodes.listed([NodeView.from_body(b) for b in node_bodies])
-        live_networks = {
-            b["metadata"]["name"] for b in await self.kube.list_items(NETWORK, cached=True)
-        }
-        await self._collect_garbage(live_networks)
-        # Known from the list or from a watch event: a network created a moment ago may be
-        # missing from the (watch-cache) list; its children and fresh taints are no orphans.
-        known = live_networks | set(self.store.networks)
-        await self._collect_orphaned_children(known)
-        valid: dict[str, MetaRoceNetwork] = {}
-        for name, body in self.store.networks.items():
-            if cleanup.deleting(body):
-                continue
-            with contextlib.suppress(InvalidObject):
-                valid[name] = validate_network(body)
-        await self._take_over_gone_claims()
-        labels = self.store.nodes.labels()
-        for name, network in valid.items():
-            if self.store.nodes.select(name, network.spec.node_selector):
-                self.batch.mark(name)
-        self._check_conflicts(valid, labels)
-        await self._remove_orphaned_taints(known)
-        await self._remove_orphaned_labels(known)
-        for name, network in valid.items():
-            if self._mine(self.store.networks.get(name) or {}):
-                await self._node_labels(name, network)
-                await self._taints(name, network, known)
-                await self._agent_updates(name, network, labels)
-
-    async def _agent_updates(
-        self, name: str, network: MetaRoceNetwork, labels: Mapping[str, Mapping[str, str]]
-    ) -> None:
-        """The upgrade policy (upgrade.py): read the nodes' holds; switch the DaemonSet
-        between RollingUpdate and OnDelete as they come and go; while a node holds, replace
-        the other nodes' outdated agents, maxUnavailable at a time."""
-        strategy = network.spec.agent.update_strategy
-        holds = upgrade.read_holds(
-            self.store.nodes.eligible.get(name, frozenset()),
-            labels,
-            now_utc(),
-            parse_duration(strategy.max_hold),
-        )
-        if self.store.upgrades.holds.replace(name, holds, ()):
-            self.batch.mark(name)
-        held = upgrade.holding(holds)
-        rendered = self.store.children.rendered_holding.get(name)
-        step = upgrade.next_step(held, rendered, strategy.paused)
-        if step == "reapply":
-            why = "a node holds off agent updates" if held else "no node holds agent updates"
-            self._reconcile_later(name, why)
-        elif step == "replace":
-            await self._replace_outdated_agents(name, network, held)
-
-    async def _replace_outdated_agents(
-        self, name: str, network: MetaRoceNetwork, held: frozenset[str]
-    ) -> None:
-        namespace = self.settings.render.namespace
-        ds = await self.kube.get_or_none(DAEMONSET, child_name(name), namespace)
-        if ds is None:
-            return
-        selector = ",".join(f"{k}={v}" for k, v in sorted(selector_labels(name).items()))
-        revisions = await self.kube.list_items(
-            CONTROLLER_REVISION, namespace, label_selector=selector
-        )
-        revision = upgrade.current_revision(revisions, str(ds["metadata"]["uid"]))
-        if revision is None:
-            return
-        pods = [
-            upgrade.AgentPod.from_body(p)
-            for p in await self.kube.list_items(POD, namespace, label_selector=selector)
-        ]
-        nodes = self.store.nodes.eligible.get(name, frozenset())
-        strategy = network.spec.agent.update_strategy
-        budget = upgrade.scaled_max_unavailable(strategy.max_unavailable, len(nodes))
-        min_ready = float((ds.get("spec") or {}).get("minReadySeconds") or 0)
-        for pod in upgrade.pods_to_replace(
-            pods, revision, nodes, held, budget, now_utc(), min_ready
-        ):
-            if await self.kube.delete(POD, pod, namespace):
-                log.info("%s: replaced the outdated agent %s (other nodes hold updates)", name, pod)
-
-    async def _node_labels(self, name: str, network: MetaRoceNetwork) -> None:
-        """The network's node label on the nodes it selects, and off those that left
-        once their agent reverted them (with cleanupOnDelete; see nodelabels.py)."""
-        label = c.node_label(name)
-        labels = self.store.nodes.labels()
-        phases = {node: r.phase for node, r in self.store.reports.of(name).items()}
-        clock = time.monotonic()
-        timed_out = self.store.labels.timed_out(name, clock, self.settings.cleanup_timeout)
-        plan = plan_labels(
-            label,
-            self.store.nodes.eligible.get(name, frozenset()),
-            labels,
-            phases,
-            network.spec.cleanup_on_delete,
-            timed_out,
-        )
-        for node, value in plan.items():
-            await self._set_node_label(node, label, value)
-            failpoint("labels.after_set")
-            self.store.labels.labelled(name, node, value, clock)
-            if value == c.NODE_REVERT:
-                log.info("%s: node %s left the network: asked its agent to revert it", name, node)
-            elif value is None:
-                why = "timed out reverting" if node in timed_out else "left the network"
-                log.info("%s: node %s %s: its agent goes", name, node, why)
-
-    async def _set_node_label(self, node: str, label: str, value: str | None) -> None:
-        patch = {"metadata": {"labels": {label: value}}}
-        try:
-            await self.kube.patch(NODE, node, patch)
-        except ApiError as err:
-            if err.status != 404:  # a node deleted meanwhile has no label to keep
-                raise
-
-    async def _remove_orphaned_labels(self, live_networks: set[str]) -> None:
-        """Node labels of networks that are gone (after their agents, see nodelabels.py)."""
-        labels = self.store.nodes.labels()
-        live = {c.node_label(n) for n in live_networks}
-        for node, gone in orphaned_labels(labels, live).items():
-            for label in gone:
-                await self._set_node_label(node, label, None)
-                failpoint("labels.after_orphan_removed")
-                log.info("removed the label %s of a deleted network from node %s", label, node)
-
-    async def _remove_orphaned_taints(self, live_networks: set[str]) -> None:
-        """Taints of networks that are gone (the network's own planning stops with it)."""
-        orphaned = taints.orphaned_taints(self.store.nodes.view(), live_networks)
-        for node, network in orphaned.items():
-            failpoint("taints.before_orphan_removed")
-            if await taints.set_taint(self.kube, node, network, False):
-                log.info("removed the taint of deleted network %s from node %s", network, node)
-
-    def _check_conflicts(
-        self, valid: dict[str, MetaRoceNetwork], labels: Mapping[str, Mapping[str, str]]
-    ) -> None:
-        """Re-check NIC conflicts; resume the rollout of a held network whose conflicts
-        with older networks are gone."""
-        contenders = dict(valid)
-        for name, body in self.store.networks.items():
-            if name not in contenders and cleanup.deleting(body):
-                with contextlib.suppress(InvalidObject):
-                    contenders[name] = validate_network(body)  # owns its NICs until gone
-        order = {name: created_order(self.store.networks.get(name) or {}) for name in contenders}
-        reports = self.store.reports
-        found = find_conflicts(contenders.values(), labels, reports.netdevs(), reports.nics())
-        verdict = self.store.conflicts.judge(valid, found, order)
-        for name in verdict.resume:
-            log.info("%s: its NIC conflict is gone; resuming the rollout", name)
-            self._spawn(self._reconcile_retrying(name), f"reconcile {name}")
-        for name, message in verdict.new_blocking:
-            log.warning("%s: NIC conflict: %s", name, message)
-        for name in verdict.changed:
-            self.batch.mark(name)
-
-    async def _collect_garbage(self, live_networks: set[str]) -> None:
-        nodes = self.store.nodes.view()
-        grace = self.settings.nodestate_grace
-        for report, why in self.store.reports.orphans(nodes, live_networks, now_utc(), grace):
-            if await self.kube.delete(NODESTATE, report.name, uid=report.uid or None):
-                log.info("deleted NodeState %s: its %s no longer exists", report.name, why)
-
-    async def _collect_orphaned_children(self, live: set[str]) -> None:
-        """Delete the anchor ClusterRole of a network that is gone (its finalizer removed
-        by hand, or the operator down while it went): the garbage collector then takes
-        the agents and the rest. Children owned by a network are the collector's."""
-        selector = f"{c.MANAGED_BY_LABEL}={c.MANAGED_BY},{c.COMPONENT_LABEL}={c.COMPONENT_AGENT}"
-        roles = await self.kube.list_items(CLUSTERROLE, label_selector=selector, cached=True)
-        grace = self.settings.nodestate_grace
-        for name, uid, network in cleanup.orphaned_anchors(roles, live, now_utc(), grace):
-            if await self.kube.delete(CLUSTERROLE, name, uid=uid):
-                log.info("deleted the agents of network %s, which no longer exists", network)
-
-    async def _delete_nodestates(self, network: str) -> None:
-        """One request for all of them (agents label their NodeStates); an unlabelled
-        straggler is collected by the node pass once its network is gone."""
-        await self.kube.delete_collection(NODESTATE, label_selector=f"{c.NETWORK_LABEL}={network}")
-        log.info("deleted the NodeStates of %s", network)
-
-    async def _taints(self, name: str, network: MetaRoceNetwork, live: set[str]) -> None:
-        health = network.spec.health
-        reports = self.store.reports.of(name)
-        sick = sick_nodes(reports, probes.judge(reports, health.probe))
-        members = set(self.store.nodes.eligible.get(name) or reports)
-        plan = taints.plan_taints(
-            name,
-            health.action,
-            health.max_tainted_fraction,
-            members,
-            sick,
-            self.store.nodes.view(),
-            live=live,
-        )
-        if not plan.empty:
-            changed = await taints.apply_plan(self.kube, name, plan)
-            metrics.TAINT_CHANGES.labels(network=name).inc(changed)
-        note = plan.note(health.max_tainted_fraction, len(members))
-        if self.store.taints.notes.replace(name, note, ""):
-            self.batch.mark(name)
