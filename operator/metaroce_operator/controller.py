@@ -66,7 +66,6 @@ from metaroce_operator.state import Applied, Store, sick_nodes
 from metaroce_operator.status import (
     BatchLoop,
     compute_status,
-    invalid_status,
     now_utc,
     parse_status,
     same_status,
@@ -493,20 +492,12 @@ class Controller:
         if cleanup.deleting(body):
             await self._flush_deleting(name, body)
             return
-        applied = self.store.children.applied.get(name)
-        error = self.store.children.errors.get(name)
-        if applied is None and error is None and name not in self.store.conflicts.held:
+        update = self.store.next_status(name, body, now_utc())
+        if update is None:
             return  # not reconciled in this term yet: a status from nothing would flap
-        previous = parse_status(self.store.status_of(name))
-        generation = int(body["metadata"].get("generation") or 0)
-        try:
-            network = validate_network(body)
-        except InvalidObject as err:
-            reason, message = error or (c.REASON_INVALID_SPEC, str(err))
-            new = invalid_status(previous, generation, reason, message, now_utc())
-        else:
-            new = compute_status(self.store.observed(name, network, error), previous, now_utc())
-            self._track_unhealthy(name, network)
+        new, previous = update.new, update.previous
+        if update.network is not None:
+            self._track_unhealthy(name, update.network)
         if new.nodes is not None:
             metrics.set_network_nodes(
                 name,

@@ -28,7 +28,13 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, TypeVar
 
-from metaroce_api import LabelSelector, MetaRoceNetwork
+from metaroce_api import (
+    InvalidObject,
+    LabelSelector,
+    MetaRoceNetwork,
+    MetaRoceNetworkStatus,
+    validate_network,
+)
 from metaroce_api import constants as c
 from metaroce_operator import probes, upgrade
 from metaroce_operator.conflicts import Conflict, selector_matches
@@ -36,7 +42,15 @@ from metaroce_operator.drift import daemonset_drift, rbac_drift
 from metaroce_operator.freshness import NetworkBodies
 from metaroce_operator.observed import DaemonSetView, NodeReport, NodeView, ReportedNic
 from metaroce_operator.render.common import child_name
-from metaroce_operator.status import CONFIGURED_PHASES, CleanupView, Observed, rollout_settled
+from metaroce_operator.status import (
+    CONFIGURED_PHASES,
+    CleanupView,
+    Observed,
+    compute_status,
+    invalid_status,
+    parse_status,
+    rollout_settled,
+)
 
 V = TypeVar("V")
 OS_LABEL = "kubernetes.io/os"
@@ -466,6 +480,14 @@ class Cleanup:
             self.timers.forget(name)
 
 
+@dataclass(frozen=True)
+class StatusUpdate:
+    new: MetaRoceNetworkStatus
+    previous: MetaRoceNetworkStatus | None
+    network: MetaRoceNetwork | None
+    """The validated network (None: its spec is invalid)."""
+
+
 class Store:
     """Everything the leader knows, by concern."""
 
@@ -525,6 +547,24 @@ class Store:
             holding=upgrade.holding(holds),
             cleanup=cleanup,
             error=error,
+        )
+
+    def next_status(self, name: str, body: Mapping[str, Any], now: datetime) -> StatusUpdate | None:
+        """The status a live network should show now, beside the one it shows; None
+        while it was not reconciled in this term (a status from nothing would flap)."""
+        error = self.children.errors.get(name)
+        if not self.children.known(name) and error is None and name not in self.conflicts.held:
+            return None
+        previous = parse_status(self.status_of(name))
+        try:
+            network = validate_network(dict(body))
+        except InvalidObject as err:
+            generation = int((body.get("metadata") or {}).get("generation") or 0)
+            reason, message = error or (c.REASON_INVALID_SPEC, str(err))
+            new = invalid_status(previous, generation, reason, message, now)
+            return StatusUpdate(new, previous, None)
+        return StatusUpdate(
+            compute_status(self.observed(name, network, error), previous, now), previous, network
         )
 
     def completes_rollout(self, name: str) -> bool:

@@ -340,3 +340,25 @@ def test_forgetting_a_network_also_forgets_what_the_decisions_kept() -> None:
         assert not store.taints.unhealthy and not store.conflicts.held
 
     asyncio.run(main())
+
+
+def test_a_status_is_computed_once_the_network_was_handled_in_this_term() -> None:
+    store = listed_store(nodestate("net", "a"))
+    body = network_body("net")
+    assert store.next_status("net", body, NOW) is None  # a status from nothing would flap
+    store.children.applied["net"] = Applied(1, 1, "h")
+    first = store.next_status("net", body, NOW)
+    assert first is not None and first.network is not None and first.previous is None
+    assert {cond.type for cond in first.new.conditions or []} >= {c.CONDITION_READY}
+
+    held = listed_store()
+    held.conflicts.held["net"] = ("held by old",)
+    update = held.next_status("net", body, NOW)
+    assert update is not None and update.network is not None  # held: shown, not applied
+
+    bad = dict(body, spec={**body["spec"], "transport": {"mode": "carrier-pigeon"}})
+    store.wrote_status({"metadata": {"name": "net"}, "status": first.new.to_api()})
+    invalid = store.next_status("net", bad, NOW)
+    assert invalid is not None and invalid.network is None and invalid.previous is not None
+    ready = next(cond for cond in invalid.new.conditions or [] if cond.type == "Ready")
+    assert (ready.status, ready.reason) == ("False", c.REASON_INVALID_SPEC)
