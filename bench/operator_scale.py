@@ -250,6 +250,12 @@ def main() -> int:
         "--no-limit", action="store_true", help="skip the limit arm (DaemonSet + NodeStates)"
     )
     parser.add_argument(
+        "--cleanup",
+        action="store_true",
+        help="the operator arm's network has cleanupOnDelete (its nodes carry the managed "
+        "node label, one Node write each; the simulated agents revert before it is deleted)",
+    )
+    parser.add_argument(
         "--concurrency",
         type=int,
         default=16,
@@ -291,6 +297,7 @@ def main() -> int:
             )
         manifest = network_manifest("scale", nodeSelector={"matchLabels": {"rdma": "yes"}})
         selector = f"{c.NETWORK_LABEL}=scale"
+        node_names = [f"node-{i:04d}" for i in range(args.nodes)]
 
         # 1. Baseline: the same DaemonSet (and what its pods need), alone.
         meta = {**manifest["metadata"], "generation": 1}
@@ -473,6 +480,8 @@ def main() -> int:
         lease_renewals: list[dict[str, Any]] = []
         status_writes_metric = 0.0
         nodestate_writes = 0
+        if args.cleanup:
+            manifest["spec"]["cleanupOnDelete"] = True  # after the baselines rendered theirs
         for round_no in range(1, args.rounds + 1):
             converge, own_delay, started_wall = operator_run(f"round {round_no}")
             runs.append((converge, own_delay))
@@ -509,6 +518,12 @@ def main() -> int:
                     e for e in idle if (e.get("objectRef") or {}).get("resource") == "leases"
                 ]
             assert gen is not None
+            if args.cleanup:
+                written = gen.writes
+                gen.revert(node_names)  # the finalizer waits for every node's reverted report
+                deadline = time.monotonic() + 300
+                while gen.writes < written + args.nodes and time.monotonic() < deadline:
+                    time.sleep(0.5)
             gen.stop()
             nodestate_writes += gen.writes
             # 4. The baseline again (warm cluster; the operator idles meanwhile).
@@ -520,6 +535,14 @@ def main() -> int:
                 and cluster.kubectl("get", c.NODESTATE_PLURAL, "-o", "name").stdout.strip()
             ):
                 time.sleep(1)  # the baseline must not share the box with the clean-up
+            # Nor with the removal of the network's node labels (one patch per node, by
+            # the node pass, after the deletion): counted in the next arm's writes before.
+            label = c.node_label("scale")
+            while (
+                time.monotonic() < deadline
+                and cluster.kubectl("get", "nodes", "-l", label, "-o", "name").stdout.strip()
+            ):
+                time.sleep(1)
             baselines.append(baseline_run(f"after round {round_no}"))
             if not args.no_limit:
                 limits.append(limit_run(f"after round {round_no}"))

@@ -27,7 +27,7 @@ from metaroce_operator.bridge import Bridge
 from metaroce_operator.controller import Controller
 from metaroce_operator.health import Checks, serve_health, serve_metrics
 from metaroce_operator.kopfrun import KopfThread
-from metaroce_operator.kube import ApiError, Kube, load_credentials
+from metaroce_operator.kube import ApiError, Kube, NotLeader, load_credentials
 from metaroce_operator.leader import LeaderElector
 from metaroce_operator.settings import OperatorSettings
 
@@ -90,14 +90,9 @@ class Process:
     # -- webhooks --------------------------------------------------------------------------
 
     def _start_webhook(self) -> None:
-        """Serve the webhooks in every replica (threads of their own: the stdlib server and
-        the kubernetes client's watches block)."""
-        from metaroce_operator.webhooks.server import (
-            AppOptions,
-            WebhookApp,
-            load_api_client,
-            tune_for_latency,
-        )
+        """Serve the webhooks in every replica (threads of their own: the stdlib server
+        blocks; its API reads run on a loop of its own, see webhooks.apiloop)."""
+        from metaroce_operator.webhooks.server import AppOptions, WebhookApp, tune_for_latency
 
         w = self.settings.webhook
         namespace, _ = w.secret_ref
@@ -112,7 +107,7 @@ class Process:
             port=w.port,
             allowed_agent_images=self.settings.render.allowed_agent_images,
         )
-        app = WebhookApp(options, load_api_client(self.settings.kubeconfig))
+        app = WebhookApp(options, self.creds)
         self.webhook = app
 
         def serve() -> None:
@@ -136,18 +131,22 @@ class Process:
 
         threading.Thread(target=serve, name="webhook-start", daemon=True).start()
 
-    async def _lead_certificates(self) -> None:
+    async def _lead_certificates(self, kube: Kube) -> None:
         """Leader: create/rotate the certificate Secret and write the caBundles, now and
-        every `cert_check_interval` (configurations the chart installs later get theirs)."""
+        every `cert_check_interval` (configurations the chart installs later get theirs).
+        On this loop, through the leader's gated client: no write after the lease is lost
+        (a thread with a client of its own could not be stopped or gated so)."""
         assert self.webhook is not None
         app, interval = self.webhook, self.settings.webhook.cert_check_interval
         while True:
             delay = interval
             if self.elector.is_leader():
                 try:
-                    changed = await asyncio.to_thread(app.rotate_certificates)
+                    changed = await app.rotate_certificates(kube)
                     if changed:
                         log.info("webhook certificates: %s", changed)
+                except NotLeader:
+                    pass  # the lease was just lost: the term is ending
                 except Exception as err:
                     metrics.ERRORS.labels(where="webhook-certs").inc()
                     log.warning("webhook certificates: %s; retrying in 5 s", err)
@@ -231,7 +230,7 @@ class Process:
         }
         if self.webhook is not None and not self.settings.webhook.cert_manager:
             tasks["webhook certificates stopped"] = loop.create_task(
-                self._lead_certificates(), name="webhook-certs"
+                self._lead_certificates(controller.kube), name="webhook-certs"
             )
         done, _ = await asyncio.wait(tasks.values(), return_when=asyncio.FIRST_COMPLETED)
         reasons = [why for why, task in tasks.items() if task in done]

@@ -39,3 +39,21 @@ async def apply_children(
         if after is not None:
             after(str(obj["kind"]))
     return applied
+
+
+def failure_status(failure: ApplyFailed) -> tuple[str, str, bool] | None:
+    """(reason, message, permanent) for the network's status when a child cannot be
+    applied; None for a failure worth retrying quietly (the apiserver, the network).
+    A 403 is shown but retried: RBAC may be being fixed."""
+    namespace = failure.obj["metadata"].get("namespace")
+    status = failure.error.status
+    if status == 404 and namespace:
+        message = (
+            f"the agent namespace {namespace!r} does not exist: create it (labelled "
+            "pod-security.kubernetes.io/enforce=privileged; the chart does) or start the "
+            "operator with --namespace set to an existing one"
+        )
+        return c.REASON_RENDER_FAILED, message, False
+    if status in (400, 403, 422):
+        return c.REASON_RENDER_FAILED, str(failure), status != 403
+    return None

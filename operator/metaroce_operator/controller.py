@@ -13,9 +13,13 @@ their network, and the observed ones refuse to be read before their first list
   DaemonSet), the cleanup finalizer; deterministic, so a restart re-applies no-ops.
 - status: watch events only mark a network dirty; `BatchLoop` computes its status at
   most once per interval and writes only when it differs (idle = no writes).
-- node pass (periodic): garbage-collects NodeStates of nodes and networks that are gone,
-  re-checks NIC conflicts between networks (resuming a held rollout once its conflict
-  is gone), sets and clears probe taints.
+- node pass (periodic, `nodepass.NodePass`): garbage-collects NodeStates of nodes and
+  networks that are gone, re-checks NIC conflicts between networks (resuming a held
+  rollout once its conflict is gone), sets node labels and probe taints.
+- the claim (one operator per network): `claim.Claimer`.
+
+The decisions that need no I/O are the concerns' own (`state`, and plain functions in
+`cleanup`, `upgrade`, `apply`); this module and `nodepass` do their I/O.
 - NIC conflicts: a network that conflicts with an older one is held: its children are
   not applied (no DaemonSet onto the contested NICs) until the conflict is gone.
 """
@@ -26,34 +30,27 @@ import asyncio
 import contextlib
 import functools
 import logging
-import time
 from collections import defaultdict
 from collections.abc import Coroutine, Mapping
 from typing import Any
 
-from metaroce_api import InvalidObject, MetaRoceNetwork, parse_duration, validate_network
+from metaroce_api import InvalidObject, MetaRoceNetwork, validate_network
 from metaroce_api import constants as c
 from metaroce_api.failpoints import failpoint
-from metaroce_operator import cleanup, events, metrics, probes, taints, upgrade
-from metaroce_operator.apply import ApplyFailed, apply_children
-from metaroce_operator.claim import CLAIM_ANNOTATION, claim_patch, claimant, split_claim
+from metaroce_operator import cleanup, events, metrics, probes, upgrade
+from metaroce_operator.apply import ApplyFailed, apply_children, failure_status
+from metaroce_operator.claim import Claimer
 from metaroce_operator.conflicts import (
     Conflict,
     created_order,
-    find_conflicts,
     holding_conflicts,
-    selector_matches,
 )
-from metaroce_operator.drift import daemonset_drift, rbac_drift
 from metaroce_operator.images import image_refusal
 from metaroce_operator.informer import Informer
 from metaroce_operator.kube import KINDS, ApiError, Kube, NotLeader
-from metaroce_operator.nodelabels import orphaned_labels, plan_labels
+from metaroce_operator.nodepass import NodePass
 from metaroce_operator.observed import (
-    DaemonSetView,
-    NodeReport,
     NodeView,
-    parse_time,
 )
 from metaroce_operator.probekey import ensure_probe_key, probe_key_secret
 from metaroce_operator.render import RenderContext, config_generation, render_network
@@ -62,22 +59,15 @@ from metaroce_operator.render.common import (
     anchor_kind,
     child_name,
     config_hash,
-    selector_labels,
 )
 from metaroce_operator.render.podpolicy import policy_name
 from metaroce_operator.settings import OperatorSettings
-from metaroce_operator.state import Applied, Store
+from metaroce_operator.state import Applied, Store, sick_nodes
 from metaroce_operator.status import (
-    CONFIGURED_PHASES,
     BatchLoop,
-    CleanupView,
-    EventSpec,
-    Observed,
     compute_status,
-    invalid_status,
     now_utc,
     parse_status,
-    rollout_settled,
     same_status,
     transition_events,
 )
@@ -97,7 +87,6 @@ DAEMONSET = KINDS[("apps/v1", "DaemonSet")]
 CONTROLLER_REVISION = KINDS[("apps/v1", "ControllerRevision")]
 POD_POLICY = KINDS[("admissionregistration.k8s.io/v1", "MutatingAdmissionPolicy")]
 POD_POLICY_BINDING = KINDS[("admissionregistration.k8s.io/v1", "MutatingAdmissionPolicyBinding")]
-OS_LABEL = "kubernetes.io/os"
 DRIFT_CHECKED = ("DaemonSet", "ClusterRole", "ClusterRoleBinding")
 """Children whose owned fields are compared with each watch event (see `drift`)."""
 WATCHED_CHILDREN = (
@@ -108,6 +97,7 @@ WATCHED_CHILDREN = (
     CLUSTERROLEBINDING,
 )
 """Children watched for drift and for the DaemonSet's rollout (labelled as ours)."""
+CHILD_KINDS = frozenset(kind.kind for kind in WATCHED_CHILDREN)
 
 
 def _after_child(kind: str) -> None:
@@ -132,11 +122,25 @@ class Controller:
         self._locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         """Per network, kept for the term (a lock forgotten while held would not exclude)."""
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._kick = asyncio.Event()
         self.nodestates = Informer(
             self.kube, NODESTATE, lambda t, body: self.on_event(c.NODESTATE_KIND, t, body)
         )
         self.store = Store(self.nodestates.synced)
+        self.claims = Claimer(
+            self.kube,
+            self.store,
+            f"{settings.lease_namespace}/{settings.lease_name}",
+            settings.identity,
+        )
+        self.nodepass = NodePass(
+            self.kube,
+            settings,
+            self.store,
+            self.claims,
+            mark=self.batch.mark,
+            reconcile_later=self._reconcile_later,
+            reconcile_soon=self._reconcile_soon,
+        )
         # The children, on this loop and this client like the NodeStates (kopf watched
         # them before, on its thread, as an event pump that wrote nothing).
         self.children = [
@@ -169,7 +173,7 @@ class Controller:
             for informer in self.children:
                 group.create_task(informer.run(), name=f"{informer.kind.kind} watch")
             group.create_task(self._after_sync(self.batch.run()), name="status batching")
-            group.create_task(self._after_sync(self._node_pass_loop()), name="node pass")
+            group.create_task(self._after_sync(self.nodepass.run()), name="node pass")
 
     async def _after_sync(self, work: Coroutine[Any, Any, None]) -> None:
         try:
@@ -223,11 +227,22 @@ class Controller:
         if kind == c.NETWORK_KIND:
             self._network_event(event_type, body)
         elif kind == c.NODESTATE_KIND:
-            self._nodestate_event(event_type, body)
-        elif kind == "DaemonSet":
-            self._daemonset_event(event_type, body)
-        elif kind in ("ConfigMap", "ServiceAccount", "ClusterRole", "ClusterRoleBinding"):
-            self._child_event(kind, event_type, body)
+            was, report = self.store.reports.on_event(event_type, body)
+            if was is not None:
+                self.batch.mark(was)
+            if report is not None:
+                urgent = self.store.completes_rollout(report.network)
+                self.batch.mark(report.network, urgent=urgent)
+        elif kind in CHILD_KINDS:
+            children, namespace = self.store.children, self.settings.render.namespace
+            if kind == "DaemonSet":
+                event = children.on_daemonset(event_type, body, namespace)
+            else:
+                event = children.on_child(kind, event_type, body, namespace)
+            if event.network is not None and event.reapply:
+                self._reconcile_later(event.network, event.reapply)
+            if event.network is not None and event.status:
+                self.batch.mark(event.network)
 
     def _network_event(self, event_type: str | None, body: dict[str, Any]) -> None:
         name = body["metadata"]["name"]
@@ -235,100 +250,25 @@ class Controller:
             self.store.forget_network(name)
             self.batch.forget(name)
             metrics.forget_network(name)
-            self._spawn(self._delete_nodestates(name), f"delete NodeStates of {name}")
+            self._spawn(self.nodepass.delete_nodestates(name), f"delete NodeStates of {name}")
             if self.store.conflicts.held:
-                self._kick.set()  # a held network may resume now
+                self.nodepass.kick.set()  # a held network may resume now
             return
         old = self.store.networks.get(name)
         if self.store.set_network(body):
             self.batch.mark(name)
             generation = (old or {}).get("metadata", {}).get("generation")
             if self.store.conflicts.held and generation != body["metadata"].get("generation"):
-                self._kick.set()  # a changed spec may end the conflict holding another
-
-    def _nodestate_event(self, event_type: str | None, body: dict[str, Any]) -> None:
-        was, report = self.store.reports.on_event(event_type, body)
-        if was is not None:
-            self.batch.mark(was)
-        if report is not None:
-            self.batch.mark(report.network, urgent=self._completes_rollout(report.network))
-
-    def _completes_rollout(self, name: str) -> bool:
-        """Whether the report just stored is the last one a rollout waited for, and the
-        written status does not show that yet: then Ready is written at once rather than
-        an interval later. Once per rollout, so still no status write per node event."""
-        applied = self.store.children.applied.get(name)
-        if applied is None or name in self.store.conflicts.held or not self.synced:
-            return False  # before the first list, the status loop waits anyway
-        ds = self.store.children.daemonsets.get(name)
-        eligible = self.store.nodes.eligible.get(name)
-        if ds is not None and ds.observed_current:
-            desired = ds.desired
-        elif eligible is not None:
-            desired = len(eligible)
-        else:
-            return False
-        if self.store.reports.count(name) < desired:  # the common case in a rollout: O(1)
-            return False
-        reports = self.store.reports.of(name)
-        shown = (self.store.status_of(name) or {}).get("nodes") or {}
-        if int(shown.get("configured") or 0) + int(shown.get("failed") or 0) >= desired:
-            return False
-        return rollout_settled(reports, applied.config_generation, desired, eligible)
-
-    def _daemonset_event(self, event_type: str | None, body: dict[str, Any]) -> None:
-        meta = body.get("metadata") or {}
-        network = (meta.get("labels") or {}).get(c.NETWORK_LABEL)
-        if (
-            not network
-            or meta.get("namespace") != self.settings.render.namespace
-            or meta.get("name") != child_name(network)
-        ):
-            return
-        if event_type == "DELETED":
-            self.store.children.daemonsets.pop(network, None)
-            self._reconcile_later(network, "its DaemonSet was deleted")
-        else:
-            view = DaemonSetView.from_body(body, c.CONFIG_HASH_ANNOTATION)
-            self.store.children.daemonsets[network] = view
-            applied = self.store.children.applied.get(network)
-            rendered = self.store.children.rendered.get(network, {}).get("DaemonSet")
-            if applied is not None and view.template_hash != applied.config_hash:
-                self._reconcile_later(network, "its DaemonSet's config hash was changed")
-            elif applied is not None and rendered is not None:
-                edited = daemonset_drift(rendered, body)
-                if edited:
-                    self._reconcile_later(
-                        network, f"its DaemonSet was edited ({', '.join(edited)})"
-                    )
-        self.batch.mark(network)
-
-    def _child_event(self, kind: str, event_type: str | None, body: dict[str, Any]) -> None:
-        """Re-apply a child deleted (or a ConfigMap edited) behind the operator's back."""
-        meta = body.get("metadata") or {}
-        network = (meta.get("labels") or {}).get(c.NETWORK_LABEL)
-        if not network or meta.get("name") != child_name(network):
-            return
-        if meta.get("namespace") not in (None, self.settings.render.namespace):
-            return
-        if event_type == "DELETED":
-            self._reconcile_later(network, f"its {kind} was deleted")
-        elif kind == "ConfigMap":
-            applied = self.store.children.applied.get(network)
-            digest = (meta.get("annotations") or {}).get(c.CONFIG_HASH_ANNOTATION)
-            if applied is not None and digest != applied.config_hash:
-                self._reconcile_later(network, "its ConfigMap was changed")
-        elif kind in ("ClusterRole", "ClusterRoleBinding"):
-            rendered = self.store.children.rendered.get(network, {}).get(kind)
-            edited = rbac_drift(rendered, body) if rendered is not None else []
-            if edited:
-                self._reconcile_later(network, f"its {kind} was edited ({', '.join(edited)})")
+                self.nodepass.kick.set()  # a changed spec may end the conflict holding another
 
     def _reconcile_later(self, name: str, why: str) -> None:
         body = self.store.networks.get(name)
         if body is None or cleanup.deleting(body) or not self.store.children.known(name):
             return
         log.info("re-applying the children of %s: %s", name, why)
+        self._spawn(self._reconcile_retrying(name), f"reconcile {name}")
+
+    def _reconcile_soon(self, name: str) -> None:
         self._spawn(self._reconcile_retrying(name), f"reconcile {name}")
 
     async def _reconcile_retrying(self, name: str) -> None:
@@ -349,89 +289,8 @@ class Controller:
 
     # -- the claim (one operator per network, see `claim`) ---------------------------------
 
-    @property
-    def lease_ref(self) -> str:
-        return f"{self.settings.lease_namespace}/{self.settings.lease_name}"
-
     def _mine(self, body: Mapping[str, Any]) -> bool:
-        return claimant(body) == self.lease_ref
-
-    async def _claim(self, name: str, body: dict[str, Any]) -> bool:
-        """Whether this operator may act on the network: it holds the claim, or takes it
-        (unclaimed, or claimed by an operator whose Lease is gone)."""
-        for _ in range(3):
-            claim = claimant(body)
-            if claim == self.lease_ref:
-                self._not_foreign(name)
-                return True
-            if claim is not None and not await self._claimant_gone(claim):
-                await self._foreign(name, body, claim)
-                return False
-            try:
-                result = await self.kube.patch(NETWORK, name, claim_patch(body, self.lease_ref))
-            except ApiError as err:
-                if err.status != 409:
-                    raise
-                fresh = await self.kube.get_or_none(NETWORK, name)  # another leader raced us
-                if fresh is None:
-                    return False
-                body = fresh
-                continue
-            if claim is None:
-                log.info("%s: claimed by this operator (lease %s)", name, self.lease_ref)
-            else:
-                log.warning(
-                    "%s: took it over from the operator of lease %s, which no longer exists",
-                    name, claim,
-                )  # fmt: skip
-            self.store.set_network(result)
-            self._not_foreign(name)
-            return True
-        return False
-
-    async def _claimant_gone(self, claim: str) -> bool:
-        """Whether the claimant's Lease no longer exists (its release is uninstalled). An
-        expired Lease is an operator that is down, not gone: its agents still run."""
-        where = split_claim(claim)
-        if where is None:
-            return False  # not a Lease reference: a person must look (see `_foreign`)
-        try:
-            await self.kube.get(LEASE, where[1], where[0])
-        except ApiError as err:
-            if err.status == 404:
-                return True
-            if err.status == 403:  # a lease name the chart's RBAC does not cover
-                log.debug("cannot read the claimant's lease %s: %s", claim, err)
-                return False
-            raise
-        return False
-
-    async def _foreign(self, name: str, body: dict[str, Any], claim: str) -> None:
-        if self.store.claims.foreign.get(name) == claim:
-            return
-        self.store.claims.foreign[name] = claim
-        metrics.FOREIGN_NETWORKS.set(len(self.store.claims.foreign))
-        message = (
-            f"network {name} is managed by the operator of lease {claim}; this operator "
-            f"(lease {self.lease_ref}) leaves it alone. Run one operator per cluster, or, "
-            f"if that operator is gone for good, remove the claim: kubectl annotate "
-            f"{c.NETWORK_PLURAL} {name} {CLAIM_ANNOTATION}-"
-        )
-        log.warning("%s", message)
-        spec = EventSpec("Warning", "ClaimedByAnotherOperator", message)
-        await events.post(self.kube, body, spec, self.settings.identity)
-
-    def _not_foreign(self, name: str) -> None:
-        if self.store.claims.foreign.pop(name, None) is not None:
-            metrics.FOREIGN_NETWORKS.set(len(self.store.claims.foreign))
-
-    async def _take_over_gone_claims(self) -> None:
-        """Node pass: reconcile a foreign network whose claimant's Lease is gone."""
-        for name, claim in list(self.store.claims.foreign.items()):
-            if await self._claimant_gone(claim):
-                log.info("%s: its operator (lease %s) is gone; taking it over", name, claim)
-                self.store.claims.foreign.pop(name, None)
-                self._spawn(self._reconcile_retrying(name), f"reconcile {name}")
+        return self.claims.mine(body)
 
     # -- reconcile ------------------------------------------------------------------------
 
@@ -462,7 +321,7 @@ class Controller:
 
     async def _reconcile(self, name: str, body: dict[str, Any]) -> None:
         self.store.set_network(body)
-        if not await self._claim(name, body):
+        if not await self.claims.claim(name, body):
             return  # another operator's network: no children, status, taints or cleanup
         try:
             network = validate_network(body)
@@ -596,10 +455,9 @@ class Controller:
         return holding_conflicts(name, networks, order, labels, reports.netdevs(), reports.nics())
 
     async def _hold(self, name: str, body: dict[str, Any], held: list[Conflict]) -> None:
-        messages = tuple(conflict.held_message() for conflict in held)
-        if self.store.conflicts.held.get(name) != messages:
-            log.warning("%s: rollout held: %s", name, "; ".join(m for m in messages))
-        self.store.conflicts.held[name] = messages
+        messages = self.store.conflicts.hold(name, held)
+        if messages is not None:
+            log.warning("%s: rollout held: %s", name, "; ".join(messages))
         self.store.children.errors.pop(name, None)
         has = c.CLEANUP_FINALIZER in cleanup.finalizers(body)
         if cleanup.wants_finalizer(body) != has:
@@ -613,20 +471,13 @@ class Controller:
         self.batch.mark(name)
 
     def _apply_failed(self, name: str, failure: ApplyFailed) -> None:
-        namespace = failure.obj["metadata"].get("namespace")
-        status = failure.error.status
-        if status == 404 and namespace:
-            self._fail(
-                name,
-                c.REASON_RENDER_FAILED,
-                f"the agent namespace {namespace!r} does not exist: create it (labelled "
-                "pod-security.kubernetes.io/enforce=privileged; the chart does) or start the "
-                "operator with --namespace set to an existing one",
-            )
-        elif status in (400, 403, 422):
-            self._fail(name, c.REASON_RENDER_FAILED, str(failure))
-            if status != 403:  # 403 may be RBAC being fixed: keep retrying
-                raise PermanentFailure(str(failure)) from failure
+        shown = failure_status(failure)
+        if shown is None:
+            return  # retried quietly
+        reason, message, permanent = shown
+        self._fail(name, reason, message)
+        if permanent:
+            raise PermanentFailure(str(failure)) from failure
 
     # -- status -----------------------------------------------------------------------------
 
@@ -641,20 +492,12 @@ class Controller:
         if cleanup.deleting(body):
             await self._flush_deleting(name, body)
             return
-        applied = self.store.children.applied.get(name)
-        error = self.store.children.errors.get(name)
-        if applied is None and error is None and name not in self.store.conflicts.held:
+        update = self.store.next_status(name, body, now_utc())
+        if update is None:
             return  # not reconciled in this term yet: a status from nothing would flap
-        previous = parse_status(self.store.status_of(name))
-        generation = int(body["metadata"].get("generation") or 0)
-        try:
-            network = validate_network(body)
-        except InvalidObject as err:
-            reason, message = error or (c.REASON_INVALID_SPEC, str(err))
-            new = invalid_status(previous, generation, reason, message, now_utc())
-        else:
-            new = compute_status(self._observed(name, network, applied, error), previous, now_utc())
-            self._track_unhealthy(name, network)
+        new, previous = update.new, update.previous
+        if update.network is not None:
+            self._track_unhealthy(name, update.network)
         if new.nodes is not None:
             metrics.set_network_nodes(
                 name,
@@ -667,35 +510,6 @@ class Controller:
             )
         if not same_status(new, previous):
             await self._write_status(name, body, new, previous)
-
-    def _observed(
-        self,
-        name: str,
-        network: MetaRoceNetwork,
-        applied: Applied | None,
-        error: tuple[str, str] | None,
-        cleanup_view: CleanupView | None = None,
-    ) -> Observed:
-        reports = self.store.reports.of(name)
-        holds = self.store.upgrades.holds.get(name, ())
-        conflicts = self.store.conflicts
-        return Observed(
-            network=network,
-            applied_generation=applied.generation if applied else None,
-            config_generation=applied.config_generation if applied else None,
-            daemonset=self.store.children.daemonsets.get(name),
-            reports=reports,
-            verdicts=probes.judge(reports, network.spec.health.probe),
-            eligible=self.store.nodes.eligible.get(name),
-            conflicts=conflicts.blocking.get(name, ()),
-            held=conflicts.held.get(name, ()),
-            yielded=conflicts.yielded.get(name, ()),
-            taint_note=self.store.taints.notes.get(name, ""),
-            agent_update=upgrade.update_status(network.spec.agent.update_strategy.paused, holds),
-            holding=upgrade.holding(holds),
-            cleanup=cleanup_view,
-            error=error,
-        )
 
     async def _write_status(self, name: str, body: dict[str, Any], new: Any, previous: Any) -> None:
         failpoint("status.before_write")
@@ -718,41 +532,34 @@ class Controller:
 
     def _track_unhealthy(self, name: str, network: MetaRoceNetwork) -> None:
         """Wake the node pass early when the set of probe-failing nodes changed."""
-        unhealthy = self.store.taints.unhealthy
-        if network.spec.health.action != "taint" and not unhealthy.get(name):
+        health = network.spec.health
+        if health.action != "taint" and not self.store.taints.unhealthy.get(name):
             return
         reports = self.store.reports.of(name)
-        verdicts = probes.judge(reports, network.spec.health.probe)
-        sick = frozenset(
-            node
-            for node, r in reports.items()
-            if r.phase in CONFIGURED_PHASES and not verdicts[node].healthy
-        )
-        if unhealthy.replace(name, sick, frozenset()):
-            self._kick.set()
+        sick = sick_nodes(reports, probes.judge(reports, health.probe))
+        if self.store.taints.track(name, health.action, sick):
+            self.nodepass.kick.set()
 
     async def _flush_deleting(self, name: str, body: dict[str, Any]) -> None:
-        if c.CLEANUP_FINALIZER not in cleanup.finalizers(body):
-            return
         now = now_utc()
+        timeout = self.settings.cleanup_timeout
         reports = self.store.reports.of(name)
-        nodes = self.store.nodes.names_or_none()
-        view = cleanup.cleanup_view(body, reports, nodes, now, self.settings.cleanup_timeout)
-        if view.pending and not view.timed_out:
-            self._recheck_at(name, cleanup.seconds_left(body, now, self.settings.cleanup_timeout))
+        decision = cleanup.decide(body, reports, self.store.nodes.names_or_none(), now, timeout)
+        if decision is None:
+            return
+        view = decision.view
+        if decision.recheck_in is not None:
+            self._recheck_at(name, decision.recheck_in)
         try:
             network: MetaRoceNetwork | None = validate_network(body)
         except InvalidObject:
             network = None
-        if network is not None and (view.pending or view.timed_out):
+        if network is not None and decision.shows:
             previous = parse_status(self.store.status_of(name))
-            observed = self._observed(
-                name, network, self.store.children.applied.get(name), None, cleanup_view=view
-            )
-            new = compute_status(observed, previous, now)
+            new = compute_status(self.store.observed(name, network, cleanup=view), previous, now)
             if not same_status(new, previous):
                 await self._write_status(name, body, new, previous)
-        if view.pending and not view.timed_out:
+        if not decision.release:
             failpoint("cleanup.waiting")  # nodes still to revert: the finalizer must stay
             return
         if view.timed_out:
@@ -781,272 +588,3 @@ class Controller:
 
     def _recheck_at(self, name: str, delay: float) -> None:
         self.store.cleanup.recheck_at(name, delay + 0.5, lambda: self.batch.mark(name))
-
-    # -- the node pass ----------------------------------------------------------------------
-
-    async def _node_pass_loop(self) -> None:
-        await asyncio.sleep(min(2.0, self.settings.housekeeping_interval))
-        while True:
-            try:
-                await self.node_pass()
-            except NotLeader:
-                raise
-            except Exception as err:
-                metrics.ERRORS.labels(where="nodes").inc()
-                log.warning("node pass failed: %s", err)
-            self._kick.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._kick.wait(), self.settings.housekeeping_interval)
-
-    async def node_pass(self) -> None:
-        node_bodies = await self.kube.list_items(NODE, cached=True)
-        self.store.nodes.listed([NodeView.from_body(b) for b in node_bodies])
-        live_networks = {
-            b["metadata"]["name"] for b in await self.kube.list_items(NETWORK, cached=True)
-        }
-        await self._collect_garbage(live_networks)
-        # Known from the list or from a watch event: a network created a moment ago may be
-        # missing from the (watch-cache) list; its children and fresh taints are no orphans.
-        known = live_networks | set(self.store.networks)
-        await self._collect_orphaned_children(known)
-        valid: dict[str, MetaRoceNetwork] = {}
-        for name, body in self.store.networks.items():
-            if cleanup.deleting(body):
-                continue
-            with contextlib.suppress(InvalidObject):
-                valid[name] = validate_network(body)
-        await self._take_over_gone_claims()
-        labels = self.store.nodes.labels()
-        for name, network in valid.items():
-            eligible = frozenset(
-                node
-                for node, node_labels in labels.items()
-                if node_labels.get(OS_LABEL) == "linux"
-                and selector_matches(network.spec.node_selector, node_labels)
-            )
-            if self.store.nodes.eligible.get(name) != eligible:
-                self.store.nodes.eligible[name] = eligible
-                self.batch.mark(name)
-        self._check_conflicts(valid, labels)
-        await self._remove_orphaned_taints(known)
-        await self._remove_orphaned_labels(known)
-        for name, network in valid.items():
-            if self._mine(self.store.networks.get(name) or {}):
-                await self._node_labels(name, network)
-                await self._taints(name, network, known)
-                await self._agent_updates(name, network, labels)
-
-    async def _agent_updates(
-        self, name: str, network: MetaRoceNetwork, labels: Mapping[str, Mapping[str, str]]
-    ) -> None:
-        """The upgrade policy (upgrade.py): read the nodes' holds; switch the DaemonSet
-        between RollingUpdate and OnDelete as they come and go; while a node holds, replace
-        the other nodes' outdated agents, maxUnavailable at a time."""
-        strategy = network.spec.agent.update_strategy
-        holds = upgrade.read_holds(
-            self.store.nodes.eligible.get(name, frozenset()),
-            labels,
-            now_utc(),
-            parse_duration(strategy.max_hold),
-        )
-        if self.store.upgrades.holds.replace(name, holds, ()):
-            self.batch.mark(name)
-        held = upgrade.holding(holds)
-        rendered = self.store.children.rendered_holding.get(name)
-        if rendered is not None and rendered != bool(held):
-            why = "a node holds off agent updates" if held else "no node holds agent updates"
-            self._reconcile_later(name, why)
-            return
-        if not held or strategy.paused or not rendered:
-            return
-        await self._replace_outdated_agents(name, network, held)
-
-    async def _replace_outdated_agents(
-        self, name: str, network: MetaRoceNetwork, held: frozenset[str]
-    ) -> None:
-        namespace = self.settings.render.namespace
-        ds = await self.kube.get_or_none(DAEMONSET, child_name(name), namespace)
-        if ds is None:
-            return
-        selector = ",".join(f"{k}={v}" for k, v in sorted(selector_labels(name).items()))
-        revisions = await self.kube.list_items(
-            CONTROLLER_REVISION, namespace, label_selector=selector
-        )
-        revision = upgrade.current_revision(revisions, str(ds["metadata"]["uid"]))
-        if revision is None:
-            return
-        pods = [
-            upgrade.AgentPod.from_body(p)
-            for p in await self.kube.list_items(POD, namespace, label_selector=selector)
-        ]
-        nodes = self.store.nodes.eligible.get(name, frozenset())
-        strategy = network.spec.agent.update_strategy
-        budget = upgrade.scaled_max_unavailable(strategy.max_unavailable, len(nodes))
-        min_ready = float((ds.get("spec") or {}).get("minReadySeconds") or 0)
-        for pod in upgrade.pods_to_replace(
-            pods, revision, nodes, held, budget, now_utc(), min_ready
-        ):
-            if await self.kube.delete(POD, pod, namespace):
-                log.info("%s: replaced the outdated agent %s (other nodes hold updates)", name, pod)
-
-    async def _node_labels(self, name: str, network: MetaRoceNetwork) -> None:
-        """The network's node label on the nodes it selects, and off those that left
-        once their agent reverted them (with cleanupOnDelete; see nodelabels.py)."""
-        label = c.node_label(name)
-        labels = self.store.nodes.labels()
-        phases = {node: r.phase for node, r in self.store.reports.of(name).items()}
-        clock = time.monotonic()
-        asked = self.store.labels.revert_asked.setdefault(name, {})
-        timed_out = {
-            node for node, since in asked.items() if clock - since > self.settings.cleanup_timeout
-        }
-        plan = plan_labels(
-            label,
-            self.store.nodes.eligible.get(name, frozenset()),
-            labels,
-            phases,
-            network.spec.cleanup_on_delete,
-            timed_out,
-        )
-        for node, value in plan.items():
-            await self._set_node_label(node, label, value)
-            failpoint("labels.after_set")
-            if value == c.NODE_REVERT:
-                asked.setdefault(node, clock)
-                log.info("%s: node %s left the network: asked its agent to revert it", name, node)
-            else:
-                asked.pop(node, None)
-                if value is None:
-                    why = "timed out reverting" if node in timed_out else "left the network"
-                    log.info("%s: node %s %s: its agent goes", name, node, why)
-
-    async def _set_node_label(self, node: str, label: str, value: str | None) -> None:
-        patch = {"metadata": {"labels": {label: value}}}
-        try:
-            await self.kube.patch(NODE, node, patch)
-        except ApiError as err:
-            if err.status != 404:  # a node deleted meanwhile has no label to keep
-                raise
-
-    async def _remove_orphaned_labels(self, live_networks: set[str]) -> None:
-        """Node labels of networks that are gone (after their agents, see nodelabels.py)."""
-        labels = self.store.nodes.labels()
-        live = {c.node_label(n) for n in live_networks}
-        for node, gone in orphaned_labels(labels, live).items():
-            for label in gone:
-                await self._set_node_label(node, label, None)
-                failpoint("labels.after_orphan_removed")
-                log.info("removed the label %s of a deleted network from node %s", label, node)
-
-    async def _remove_orphaned_taints(self, live_networks: set[str]) -> None:
-        """Taints of networks that are gone (the network's own planning stops with it)."""
-        orphaned = taints.orphaned_taints(self.store.nodes.view(), live_networks)
-        for node, network in orphaned.items():
-            failpoint("taints.before_orphan_removed")
-            if await taints.set_taint(self.kube, node, network, False):
-                log.info("removed the taint of deleted network %s from node %s", network, node)
-
-    def _check_conflicts(
-        self, valid: dict[str, MetaRoceNetwork], labels: Mapping[str, Mapping[str, str]]
-    ) -> None:
-        """Re-check NIC conflicts; resume the rollout of a held network whose conflicts
-        with older networks are gone."""
-        contenders = dict(valid)
-        for name, body in self.store.networks.items():
-            if name not in contenders and cleanup.deleting(body):
-                with contextlib.suppress(InvalidObject):
-                    contenders[name] = validate_network(body)  # owns its NICs until gone
-        order = {name: created_order(self.store.networks.get(name) or {}) for name in contenders}
-        reports = self.store.reports
-        found = find_conflicts(contenders.values(), labels, reports.netdevs(), reports.nics())
-        held = self.store.conflicts.held
-        for name in valid:
-            blocking: list[str] = []
-            yielded: list[str] = []
-            holding: list[str] = []
-            for conflict in found.get(name, []):
-                if order[conflict.other] < order[name]:
-                    holding.append(conflict.held_message())
-                    if name not in held:  # rolled out before the conflict arose
-                        blocking.append(conflict.message())
-                elif conflict.other in held:
-                    yielded.append(conflict.yielded_message())
-                else:
-                    blocking.append(conflict.message())
-            if name in held:
-                if not holding:
-                    log.info("%s: its NIC conflict is gone; resuming the rollout", name)
-                    self._spawn(self._reconcile_retrying(name), f"reconcile {name}")
-                elif held.replace(name, tuple(holding), ()):
-                    self.batch.mark(name)
-            if self.store.conflicts.blocking.replace(name, tuple(blocking), ()):
-                self.batch.mark(name)
-                for message in blocking:
-                    log.warning("%s: NIC conflict: %s", name, message)
-            if self.store.conflicts.yielded.replace(name, tuple(yielded), ()):
-                self.batch.mark(name)
-
-    async def _collect_garbage(self, live_networks: set[str]) -> None:
-        nodes = self.store.nodes.view()
-        now = now_utc()
-        doomed: list[NodeReport] = []
-        for network, by_node in self.store.reports.every():
-            for node, report in by_node.items():
-                gone = node not in nodes or network not in live_networks
-                age = (now - report.created).total_seconds() if report.created else 1e9
-                if gone and age >= self.settings.nodestate_grace:
-                    doomed.append(report)
-        for report in doomed:
-            why = "node" if report.node not in nodes else "network"
-            if await self.kube.delete(NODESTATE, report.name, uid=report.uid or None):
-                log.info("deleted NodeState %s: its %s no longer exists", report.name, why)
-
-    async def _collect_orphaned_children(self, live: set[str]) -> None:
-        """Delete the anchor ClusterRole of a network that is gone (its finalizer removed
-        by hand, or the operator down while it went): the garbage collector then takes
-        the agents and the rest. Children owned by a network are the collector's."""
-        selector = f"{c.MANAGED_BY_LABEL}={c.MANAGED_BY},{c.COMPONENT_LABEL}={c.COMPONENT_AGENT}"
-        now = now_utc()
-        for role in await self.kube.list_items(CLUSTERROLE, label_selector=selector, cached=True):
-            meta = role.get("metadata") or {}
-            network = (meta.get("labels") or {}).get(c.NETWORK_LABEL, "")
-            owners = {ref.get("kind") for ref in meta.get("ownerReferences") or []}
-            if not network or network in live or c.NETWORK_KIND in owners:
-                continue  # a network's own children are the garbage collector's
-            created = parse_time(meta.get("creationTimestamp"))
-            if created and (now - created).total_seconds() < self.settings.nodestate_grace:
-                continue  # its network may be too new for the list
-            if await self.kube.delete(CLUSTERROLE, meta["name"], uid=meta.get("uid")):
-                log.info("deleted the agents of network %s, which no longer exists", network)
-
-    async def _delete_nodestates(self, network: str) -> None:
-        """One request for all of them (agents label their NodeStates); an unlabelled
-        straggler is collected by the node pass once its network is gone."""
-        await self.kube.delete_collection(NODESTATE, label_selector=f"{c.NETWORK_LABEL}={network}")
-        log.info("deleted the NodeStates of %s", network)
-
-    async def _taints(self, name: str, network: MetaRoceNetwork, live: set[str]) -> None:
-        health = network.spec.health
-        reports = self.store.reports.of(name)
-        verdicts = probes.judge(reports, health.probe)
-        sick = {
-            node
-            for node, r in reports.items()
-            if r.phase in CONFIGURED_PHASES and not verdicts[node].healthy
-        }
-        members = set(self.store.nodes.eligible.get(name) or reports)
-        plan = taints.plan_taints(
-            name,
-            health.action,
-            health.max_tainted_fraction,
-            members,
-            sick,
-            self.store.nodes.view(),
-            live=live,
-        )
-        if not plan.empty:
-            changed = await taints.apply_plan(self.kube, name, plan)
-            metrics.TAINT_CHANGES.labels(network=name).inc(changed)
-        note = plan.note(health.max_tainted_fraction, len(members))
-        if self.store.taints.notes.replace(name, note, ""):
-            self.batch.mark(name)

@@ -39,6 +39,7 @@ class Informer:
         *,
         namespace: str | None = None,
         label_selector: str | None = None,
+        field_selector: str | None = None,
         watch_timeout: int = 300,
         failpoint_name: str = "informer.before_list",
     ) -> None:
@@ -47,6 +48,7 @@ class Informer:
         self.handler = handler
         self.namespace = namespace
         self.label_selector = label_selector
+        self.field_selector = field_selector
         self.watch_timeout = watch_timeout
         self.failpoint_name = failpoint_name
         """Hit before each list (the fault tier): one name per informer, so a test that
@@ -77,7 +79,10 @@ class Informer:
     async def _list(self) -> str:
         failpoint(self.failpoint_name)  # a list that fails or comes late (the fault tier)
         items, version = await self.kube.list_with_version(
-            self.kind, self.namespace, label_selector=self.label_selector
+            self.kind,
+            self.namespace,
+            label_selector=self.label_selector,
+            field_selector=self.field_selector,
         )
         current = {str(item["metadata"]["uid"]): item for item in items}
         for uid, body in list(self.known.items()):
@@ -95,6 +100,7 @@ class Informer:
             self.namespace,
             resource_version=version,
             label_selector=self.label_selector,
+            field_selector=self.field_selector,
             timeout=self.watch_timeout,
             bookmarks=True,
         ):

@@ -148,6 +148,18 @@ def _kinds() -> dict[tuple[str, str], Kind]:
         Kind("coordination.k8s.io/v1", "Lease", "leases", True),
         Kind(
             "admissionregistration.k8s.io/v1",
+            "MutatingWebhookConfiguration",
+            "mutatingwebhookconfigurations",
+            False,
+        ),
+        Kind(
+            "admissionregistration.k8s.io/v1",
+            "ValidatingWebhookConfiguration",
+            "validatingwebhookconfigurations",
+            False,
+        ),
+        Kind(
+            "admissionregistration.k8s.io/v1",
             "MutatingAdmissionPolicy",
             "mutatingadmissionpolicies",
             False,
@@ -251,11 +263,12 @@ class Kube:
         body: Any = None,
         content_type: str = "application/json",
         timeout: float | None = None,
+        accept: str = "application/json",
     ) -> dict[str, Any]:
         """One API call; JSON in, JSON out. Raises `ApiError` or `NotLeader`."""
         if method != "GET" and self.gate is not None and not self.gate():
             raise NotLeader(f"refusing {method} {path}: this replica does not hold the lease")
-        headers = {"Accept": "application/json"}
+        headers = {"Accept": accept}
         token = self.creds.token()
         if token:
             headers["Authorization"] = f"Bearer {token}"
@@ -323,10 +336,17 @@ class Kube:
             params["continue"] = cont
 
     async def list_with_version(
-        self, kind: Kind, namespace: str | None = None, *, label_selector: str | None = None
+        self,
+        kind: Kind,
+        namespace: str | None = None,
+        *,
+        label_selector: str | None = None,
+        field_selector: str | None = None,
     ) -> tuple[list[dict[str, Any]], str]:
         """One consistent list and its resourceVersion (to start a watch from)."""
         params = {"labelSelector": label_selector} if label_selector else {}
+        if field_selector:
+            params["fieldSelector"] = field_selector
         page = await self.request("GET", kind.path(namespace), params=params)
         return page.get("items") or [], str((page.get("metadata") or {}).get("resourceVersion"))
 
@@ -337,6 +357,7 @@ class Kube:
         *,
         resource_version: str,
         label_selector: str | None = None,
+        field_selector: str | None = None,
         timeout: int = 300,
         bookmarks: bool = False,
     ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
@@ -348,6 +369,8 @@ class Kube:
             params["allowWatchBookmarks"] = "true"
         if label_selector:
             params["labelSelector"] = label_selector
+        if field_selector:
+            params["fieldSelector"] = field_selector
         headers = {"Accept": "application/json"}
         token = self.creds.token()
         if token:

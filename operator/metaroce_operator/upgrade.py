@@ -88,6 +88,20 @@ def strategy(paused: bool, holds: Iterable[Hold]) -> Strategy:
     return "OnDelete" if paused or holding(holds) else "RollingUpdate"
 
 
+def next_step(
+    held: frozenset[str], rendered_holding: bool | None, paused: bool
+) -> Literal["reapply", "replace", None]:
+    """The upgrade policy's next step for a network, from the nodes that hold now and how
+    its DaemonSet was last applied (None: not applied in this term): re-apply it when a
+    hold came or went (`OnDelete` while any node holds), replace the other nodes'
+    outdated agents while one holds, else nothing."""
+    if rendered_holding is not None and rendered_holding != bool(held):
+        return "reapply"
+    if not held or paused or not rendered_holding:
+        return None
+    return "replace"
+
+
 def scaled_max_unavailable(value: int | str, desired: int) -> int:
     """maxUnavailable as a count, percentages rounded up, as the DaemonSet controller does."""
     if isinstance(value, int):

@@ -271,13 +271,18 @@ def test_certificate_rotation_causes_no_failed_admission(
 
 
 def test_caches_read_the_real_api(running: WebhookEnv, namespace: str) -> None:
+    from metaroce_operator.kube import load_credentials
+    from metaroce_operator.webhooks.apiloop import ApiLoop
     from metaroce_operator.webhooks.cache import NamespaceLabels, NodeLabels
 
-    api = running.cluster.api_client()
-    nodes = NodeLabels(api).get()
-    assert nodes is not None, "the metadata-only node list failed (see the log)"
-    assert set(running.nodes) <= set(nodes)
-    assert nodes[running.nodes[0]]["webhook-test"] == running.tag
-    labels = NamespaceLabels(api).get(namespace)
-    assert labels is not None and labels["kubernetes.io/metadata.name"] == namespace
-    assert NamespaceLabels(api).get("no-such-namespace-here") is None
+    api = ApiLoop(load_credentials(str(running.cluster.kubeconfig)))
+    try:
+        nodes = NodeLabels(api).get()
+        assert nodes is not None, "the metadata-only node list failed (see the log)"
+        assert set(running.nodes) <= set(nodes)
+        assert nodes[running.nodes[0]]["webhook-test"] == running.tag
+        labels = NamespaceLabels(api).get(namespace)
+        assert labels is not None and labels["kubernetes.io/metadata.name"] == namespace
+        assert NamespaceLabels(api).get("no-such-namespace-here") is None
+    finally:
+        api.stop()

@@ -19,6 +19,7 @@ network). The network validation webhook is there in both modes.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import secrets
@@ -33,6 +34,7 @@ from cryptography import x509
 from metaroce_api import constants as c
 from metaroce_harness.cluster import Component, FakeNode, LocalCluster, free_port
 from metaroce_harness.polling import wait_for as wait_for  # re-exported for the tests
+from metaroce_operator.kube import Kube, load_credentials
 from metaroce_operator.render.podpolicy import policy_name, render_pod_policy
 from metaroce_operator.settings import RenderSettings
 from metaroce_operator.webhooks import certs
@@ -117,22 +119,26 @@ class WebhookEnv:
 
     def lead_certificates(self, *, force: bool = False, force_ca: bool = False) -> str | None:
         """What the operator's leader does: make/rotate the Secret, publish the CA."""
-        from kubernetes import client
 
-        self.bundle, changed = certs.ensure_secret(
-            client.CoreV1Api(self.api),
-            self.namespace,
-            self.secret,
-            certs.service_dns_names(self.service, self.namespace),
-            force=force,
-            force_ca=force_ca,
-        )
-        certs.patch_ca_bundles(
-            client.AdmissionregistrationV1Api(self.api),
-            self.bundle.ca_bundle,
-            mutating=[self.mutating],
-            validating=[self.validating],
-        )
+        async def lead() -> tuple[certs.CertBundle, str | None]:
+            kube = Kube(load_credentials(str(self.cluster.kubeconfig)), user_agent="webhook-tests")
+            try:
+                bundle, changed = await certs.ensure_secret(
+                    kube,
+                    self.namespace,
+                    self.secret,
+                    certs.service_dns_names(self.service, self.namespace),
+                    force=force,
+                    force_ca=force_ca,
+                )
+                await certs.patch_ca_bundles(
+                    kube, bundle.ca_bundle, mutating=[self.mutating], validating=[self.validating]
+                )
+                return bundle, changed
+            finally:
+                await kube.close()
+
+        self.bundle, changed = asyncio.run(lead())
         return changed
 
     def start_replica(self) -> None:

@@ -3,8 +3,8 @@ HTTPS server (`server`), the caches it serves from (`cache`), certificates (`cer
 
 Entry points for the operator:
 - `serve_main(argv)`: standalone process, `python -m metaroce_operator.webhooks --help`;
-- `WebhookApp(AppOptions(...), api_client)`: `.start()` in every replica,
-  `.rotate_certificates()` from the leader, `.stop()` on shutdown.
+- `WebhookApp(AppOptions(...), creds)`: `.start()` in every replica,
+  `await .rotate_certificates(kube)` from the leader, `.stop()` on shutdown.
 """
 
 from metaroce_operator.webhooks.mutate import Allowed, Denied, mutate_pod

@@ -12,7 +12,7 @@ hot path (except the first lookup of a namespace's labels per TTL):
 
 from __future__ import annotations
 
-import json
+import asyncio
 import logging
 import threading
 import time
@@ -21,13 +21,20 @@ from pathlib import Path
 from typing import Any
 
 from metaroce_api import InvalidObject, MetaRoceNetwork, validate_network
-from metaroce_api.constants import GROUP, NETWORK_PLURAL, VERSION
+from metaroce_api.constants import API_VERSION, NETWORK_KIND
 from metaroce_api.failpoints import failpoint
+from metaroce_operator.informer import Informer
+from metaroce_operator.kube import KINDS, ApiError, Kube
 from metaroce_operator.webhooks import metrics
+from metaroce_operator.webhooks.apiloop import ApiLoop
 from metaroce_operator.webhooks.certs import CertBundle, write_cert_files
 from metaroce_operator.webhooks.mutate import NetworkView
 
 log = logging.getLogger("metaroce.webhooks.cache")
+NETWORK = KINDS[(API_VERSION, NETWORK_KIND)]
+NAMESPACE = KINDS[("v1", "Namespace")]
+NODE = KINDS[("v1", "Node")]
+SECRET = KINDS[("v1", "Secret")]
 
 
 def view_of(obj: Mapping[str, Any]) -> NetworkView:
@@ -39,18 +46,13 @@ def view_of(obj: Mapping[str, Any]) -> NetworkView:
 
 
 class NetworkWatch:
-    """List+watch of MetaRoceNetworks in a thread; `views()` is a consistent snapshot."""
+    """List+watch of MetaRoceNetworks (an `Informer` on the webhook's API loop);
+    `views()` is a consistent snapshot, `synced` is set once the first list is in."""
 
-    def __init__(self, api_client: Any, *, resync_seconds: int = 300) -> None:
-        from kubernetes import client
-
-        self.api = client.CustomObjectsApi(api_client)
-        self.resync_seconds = resync_seconds
+    def __init__(self, api: ApiLoop | None) -> None:
+        self.api = api
         self.synced = threading.Event()
         self._views: dict[str, NetworkView] = {}
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._watch: Any = None
 
     # -- reading --------------------------------------------------------------------
 
@@ -61,94 +63,42 @@ class NetworkWatch:
         return [v.network for v in self._views.values() if v.network is not None]
 
     def set_views(self, views: Mapping[str, NetworkView]) -> None:
-        """Replace the cache (tests; also used by the watch loop)."""
+        """Replace the cache (tests; also used by the watch)."""
         self._views = dict(views)
         metrics.NETWORKS_CACHED.set(len(self._views))
 
     # -- the watch ----------------------------------------------------------------------
 
+    def on_event(self, event_type: str | None, obj: Mapping[str, Any]) -> None:
+        """One watch event (None: an item of a list), on the API loop."""
+        views = dict(self._views)
+        if event_type == "DELETED":
+            views.pop(str(obj["metadata"]["name"]), None)
+        else:
+            view = view_of(obj)
+            views[view.name] = view
+        self.set_views(views)
+
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="webhook-network-watch", daemon=True)
-        self._thread.start()
+        if self.api is None:
+            raise RuntimeError("no API client: the network watch cannot start")
+        self.api.spawn(self._run)
+
+    async def _run(self, kube: Kube) -> None:
+        informer = Informer(
+            kube, NETWORK, self.on_event, failpoint_name="webhook.networks.before_list"
+        )
+        task = asyncio.create_task(informer.run(), name="webhook network watch")
+        try:
+            await informer.synced.wait()
+            self.synced.set()
+            log.info("webhook: %d MetaRoceNetwork(s) loaded", len(self._views))
+            await task
+        finally:
+            task.cancel()
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._watch is not None:
-            self._watch.stop()
-
-    def _list(self) -> str:
-        data: dict[str, Any] = self.api.list_cluster_custom_object(  # type: ignore[assignment]
-            GROUP, VERSION, NETWORK_PLURAL
-        )
-        self.set_views({v.name: v for v in map(view_of, data.get("items") or [])})
-        self.synced.set()
-        return str(data["metadata"]["resourceVersion"])
-
-    def _run(self) -> None:
-        from kubernetes import watch
-        from kubernetes.client.exceptions import ApiException
-
-        version: str | None = None
-        backoff = 1.0  # doubles up to 10 s while the API fails (e.g. CRDs not installed)
-        while not self._stop.is_set():
-            try:
-                if version is None:
-                    version = self._list()
-                    backoff = 1.0
-                    log.info("webhook: %d MetaRoceNetwork(s) loaded", len(self._views))
-                self._watch = watch.Watch()  # type: ignore[no-untyped-call]
-                for event in self._watch.stream(
-                    self.api.list_cluster_custom_object,
-                    GROUP,
-                    VERSION,
-                    NETWORK_PLURAL,
-                    resource_version=version,
-                    timeout_seconds=self.resync_seconds,
-                    allow_watch_bookmarks=True,
-                ):
-                    if self._stop.is_set():
-                        break
-                    kind, obj = event["type"], event["object"]
-                    if kind == "ERROR":
-                        if obj.get("code") == 410:
-                            version = None  # expired: list again
-                        break
-                    version = str(obj["metadata"]["resourceVersion"])
-                    if kind == "BOOKMARK":
-                        continue
-                    views = dict(self._views)
-                    if kind == "DELETED":
-                        views.pop(obj["metadata"]["name"], None)
-                    else:
-                        view = view_of(obj)
-                        views[view.name] = view
-                    self.set_views(views)
-            except ApiException as exc:
-                if exc.status == 410:
-                    version = None
-                    continue
-                if self._stop.is_set():
-                    return
-                log.warning(
-                    "webhook: watching MetaRoceNetworks failed (%s %s); retrying in %.0f s",
-                    exc.status,
-                    exc.reason,
-                    backoff,
-                )
-                version = None
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 10.0)
-            except Exception as exc:  # keep watching whatever happens
-                if self._stop.is_set():
-                    return
-                log.warning(
-                    "webhook: watching MetaRoceNetworks failed (%s); retrying in %.0f s",
-                    exc,
-                    backoff,
-                )
-                version = None
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 10.0)
+        """The API loop's `stop` ends the watch."""
 
 
 class _TtlCache:
@@ -244,22 +194,24 @@ class NamespaceLabels:
     None when they cannot be read (the Pod Security check is then skipped: PodSecurity
     admission itself still applies, with its own message)."""
 
-    def __init__(self, api_client: Any, ttl: float = 30.0) -> None:
-        from kubernetes import client
-
-        self.api = client.CoreV1Api(api_client)
+    def __init__(self, api: ApiLoop | None, ttl: float = 30.0) -> None:
+        self.api = api
         self.cache = RefreshingCache(self._fetch, ttl)
 
     def _fetch(self, name: str) -> Mapping[str, str] | None:
-        from kubernetes.client.exceptions import ApiException
+        if self.api is None:
+            return None
+
+        async def read(kube: Kube) -> dict[str, Any]:
+            return await kube.request("GET", NAMESPACE.path(None, name), timeout=5)
 
         try:
-            ns = self.api.read_namespace(name, _request_timeout=5)
-        except ApiException as exc:
+            ns = self.api.call(read, timeout=6)
+        except ApiError as exc:
             if exc.status == 404:
                 return None
             raise
-        return dict((ns.metadata and ns.metadata.labels) or {})
+        return dict((ns.get("metadata") or {}).get("labels") or {})
 
     def get(self, name: str) -> Mapping[str, str] | None:
         value: Mapping[str, str] | None = self.cache.get(name)
@@ -271,48 +223,33 @@ class NodeLabels:
 
     ACCEPT = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
 
-    def __init__(self, api_client: Any, ttl: float = 30.0) -> None:
-        from kubernetes import client
-
-        self.api: Any = client.CoreV1Api(api_client)  # raw responses: typed loosely
+    def __init__(self, api: ApiLoop | None, ttl: float = 30.0) -> None:
+        self.api = api
         self.cache = _TtlCache(ttl)
 
-    def _page(self, token: str) -> dict[str, Any]:
-        try:  # metadata only: a fraction of full Node objects
-            response = self.api.list_node(
-                limit=500,
-                _continue=token or None,
-                _headers={"Accept": self.ACCEPT},
-                _preload_content=False,
-                _request_timeout=10,
+    async def _list(self, kube: Kube) -> dict[str, Mapping[str, str]]:
+        nodes: dict[str, Mapping[str, str]] = {}
+        params = {"limit": "500"}
+        while True:  # metadata only: a fraction of full Node objects
+            page = await kube.request(
+                "GET", NODE.path(), params=params, accept=self.ACCEPT, timeout=10
             )
-            page: dict[str, Any] = json.loads(response.data)
-            return page
-        except TypeError:  # an older client without `_headers`: full objects
-            nodes = self.api.list_node(limit=500, _continue=token or None, _request_timeout=10)
-            return {
-                "items": [
-                    {"metadata": {"name": n.metadata.name, "labels": n.metadata.labels}}
-                    for n in nodes.items
-                ],
-                "metadata": {"continue": nodes.metadata._continue},
-            }
+            for item in page.get("items") or []:
+                meta = item.get("metadata", {})
+                nodes[meta["name"]] = dict(meta.get("labels") or {})
+            token = (page.get("metadata") or {}).get("continue") or ""
+            if not token:
+                return nodes
+            params["continue"] = token
 
     def get(self) -> Mapping[str, Mapping[str, str]] | None:
         hit, value = self.cache.get("nodes")
         if hit:
             return value  # type: ignore[no-any-return]
-        nodes: dict[str, Mapping[str, str]] = {}
-        token = ""
+        if self.api is None:
+            return None
         try:
-            while True:
-                page = self._page(token)
-                for item in page.get("items") or []:
-                    meta = item.get("metadata", {})
-                    nodes[meta["name"]] = dict(meta.get("labels") or {})
-                token = page.get("metadata", {}).get("continue") or ""
-                if not token:
-                    break
+            nodes = self.api.call(self._list, timeout=30)
         except Exception as exc:
             log.warning("webhook: cannot list nodes (%s); judging selectors alone", exc)
             return None
@@ -323,66 +260,56 @@ class NodeLabels:
 class SecretWatch:
     """Keep `directory` (tls.crt, tls.key, ca.crt) in step with a Secret, via a watch."""
 
-    def __init__(self, api_client: Any, namespace: str, name: str, directory: Path) -> None:
-        from kubernetes import client
-
-        self.api = client.CoreV1Api(api_client)
+    def __init__(self, api: ApiLoop, namespace: str, name: str, directory: Path) -> None:
+        self.api = api
         self.namespace, self.name, self.directory = namespace, name, directory
         self.ready = threading.Event()
-        self._stop = threading.Event()
         self._last: CertBundle | None = None
-        self._watch: Any = None
+        self._lock = threading.Lock()
 
     def sync_once(self) -> bool:
         """Read the Secret now and write the files if it changed; True when files exist."""
-        from kubernetes.client.exceptions import ApiException
 
-        try:
-            secret = self.api.read_namespaced_secret(self.name, self.namespace)
-        except ApiException as exc:
-            if exc.status == 404:
-                return self.ready.is_set()
-            raise
-        self._write(secret.data)  # type: ignore[arg-type]
+        async def read(kube: Kube) -> dict[str, Any] | None:
+            return await kube.get_or_none(SECRET, self.name, self.namespace)
+
+        secret = self.api.call(read, timeout=30)
+        if secret is not None:
+            self._write(secret.get("data"))
         return self.ready.is_set()
+
+    def show(self, bundle: CertBundle) -> None:
+        """Write a bundle the leader just put in the Secret (its watch event follows)."""
+        self._write(bundle.secret_data())
 
     def _write(self, data: Mapping[str, str] | None) -> None:
         bundle = CertBundle.from_secret_data(dict(data or {}))
-        if bundle is None or bundle == self._last:
-            return
-        write_cert_files(bundle, self.directory)
-        failpoint("certs.after_reload")  # every replica: files written, server not reloaded
-        self._last = bundle
+        with self._lock:  # the watch (API loop) and the leader (its loop) both write
+            if bundle is None or bundle == self._last:
+                return
+            write_cert_files(bundle, self.directory)
+            failpoint("certs.after_reload")  # every replica: files written, not reloaded
+            self._last = bundle
         self.ready.set()
         log.info("webhook: certificate files updated from Secret %s/%s", self.namespace, self.name)
 
+    def _on_event(self, event_type: str | None, obj: Mapping[str, Any]) -> None:
+        if event_type != "DELETED":
+            self._write(obj.get("data"))
+
     def start(self) -> None:
-        threading.Thread(target=self._run, name="webhook-secret-watch", daemon=True).start()
+        self.api.spawn(self._run)
+
+    async def _run(self, kube: Kube) -> None:
+        informer = Informer(
+            kube,
+            SECRET,
+            self._on_event,
+            namespace=self.namespace,
+            field_selector=f"metadata.name={self.name}",
+            failpoint_name="webhook.secret.before_list",
+        )
+        await informer.run()
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._watch is not None:
-            self._watch.stop()
-
-    def _run(self) -> None:
-        from kubernetes import watch
-
-        while not self._stop.is_set():
-            try:
-                self.sync_once()
-                self._watch = watch.Watch()  # type: ignore[no-untyped-call]
-                for event in self._watch.stream(
-                    self.api.list_namespaced_secret,
-                    self.namespace,
-                    field_selector=f"metadata.name={self.name}",
-                    timeout_seconds=300,
-                ):
-                    if self._stop.is_set():
-                        break
-                    if event["type"] in ("ADDED", "MODIFIED"):
-                        self._write(event["object"].data)
-            except Exception as exc:
-                log.warning(
-                    "webhook: watching Secret %s/%s failed (%s)", self.namespace, self.name, exc
-                )
-                self._stop.wait(1.0)
+        """The API loop's `stop` ends the watch."""

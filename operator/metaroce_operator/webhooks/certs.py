@@ -40,6 +40,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from metaroce_api.failpoints import failpoint
+from metaroce_operator.kube import JSON_PATCH, KINDS, ApiError, Kube
 
 log = logging.getLogger("metaroce.webhooks.certs")
 
@@ -49,6 +50,9 @@ RENEW_BEFORE = dt.timedelta(days=30)
 CA_RENEW_BEFORE = dt.timedelta(days=730)
 SECRET_TYPE = "kubernetes.io/tls"
 KEYS = ("tls.crt", "tls.key", "ca.crt", "ca.key")
+SECRET = KINDS[("v1", "Secret")]
+MUTATING_CONFIG = KINDS[("admissionregistration.k8s.io/v1", "MutatingWebhookConfiguration")]
+VALIDATING_CONFIG = KINDS[("admissionregistration.k8s.io/v1", "ValidatingWebhookConfiguration")]
 
 
 def utcnow() -> dt.datetime:
@@ -310,7 +314,7 @@ def plan_rotation(
     return RotationPlan(CertBundle(cert, key, b"".join(bundle_pems), ca_key), "; ".join(reasons))
 
 
-# --- the Secret and the webhook configurations (kubernetes client) ------------------------------
+# --- the Secret and the webhook configurations (through metaroce_operator.kube) ----------------
 
 
 def _secret_body(name: str, namespace: str, bundle: CertBundle, version: str | None) -> Any:
@@ -330,8 +334,8 @@ def _secret_body(name: str, namespace: str, bundle: CertBundle, version: str | N
     }
 
 
-def ensure_secret(
-    core: Any,
+async def ensure_secret(
+    kube: Kube,
     namespace: str,
     name: str,
     dns_names: Sequence[str],
@@ -343,20 +347,14 @@ def ensure_secret(
 ) -> tuple[CertBundle, str | None]:
     """Make the Secret hold a valid bundle (create or rotate). Returns (bundle, what changed).
 
-    `core`: a kubernetes.client.CoreV1Api. A write that loses a race with another replica
-    (409) is not an error: the winner's bundle is read back and returned.
+    `kube`: the operator's client (the leader's view, whose writes stop the moment the
+    lease is lost). A write that loses a race with another replica (409) is not an
+    error: the winner's bundle is read back and returned.
     """
-    from kubernetes.client.exceptions import ApiException
-
     for _ in range(3):
-        try:
-            secret = core.read_namespaced_secret(name, namespace)
-            version = secret.metadata.resource_version
-            current = CertBundle.from_secret_data(secret.data)
-        except ApiException as exc:
-            if exc.status != 404:
-                raise
-            secret, version, current = None, None, None
+        secret = await kube.get_or_none(SECRET, name, namespace)
+        version = str((secret or {}).get("metadata", {}).get("resourceVersion") or "") or None
+        current = CertBundle.from_secret_data((secret or {}).get("data"))
         plan = plan_rotation(
             current, dns_names, now=now, force=force, force_ca=force_ca, **lifetimes
         )
@@ -367,10 +365,10 @@ def ensure_secret(
         failpoint("certs.before_secret")
         try:
             if secret is None:
-                core.create_namespaced_secret(namespace, body)
+                await kube.create(body)
             else:
-                core.replace_namespaced_secret(name, namespace, body)
-        except ApiException as exc:
+                await kube.replace(body)
+        except ApiError as exc:
             if exc.status == 409:
                 force = force_ca = False  # someone else just wrote it: take theirs
                 continue
@@ -381,8 +379,8 @@ def ensure_secret(
     raise RuntimeError(f"could not settle the certificate Secret {namespace}/{name} (409 x3)")
 
 
-def patch_ca_bundles(
-    admission: Any,
+async def patch_ca_bundles(
+    kube: Kube,
     ca_bundle: bytes,
     *,
     mutating: Sequence[str] = (),
@@ -390,39 +388,20 @@ def patch_ca_bundles(
 ) -> list[str]:
     """Write `ca_bundle` into every webhook of the named configurations (leader only).
 
-    `admission`: kubernetes.client.AdmissionregistrationV1Api. Configurations that do not
-    exist are skipped (the chart may not have installed them yet); only webhooks whose
-    caBundle differs are patched. Returns what was patched."""
-    from kubernetes.client.exceptions import ApiException
-
+    Configurations that do not exist are skipped (the chart may not have installed them
+    yet); only webhooks whose caBundle differs are patched, with a JSON patch that tests
+    each webhook's name first. Returns what was patched."""
     encoded = base64.b64encode(ca_bundle).decode()
     patched: list[str] = []
-    kinds = (
-        (
-            "MutatingWebhookConfiguration",
-            mutating,
-            admission.read_mutating_webhook_configuration,
-            admission.patch_mutating_webhook_configuration,
-        ),
-        (
-            "ValidatingWebhookConfiguration",
-            validating,
-            admission.read_validating_webhook_configuration,
-            admission.patch_validating_webhook_configuration,
-        ),
-    )
-    for kind, names, read, patch in kinds:
+    for kind, names in ((MUTATING_CONFIG, mutating), (VALIDATING_CONFIG, validating)):
         for name in names:
-            try:
-                obj = read(name)
-            except ApiException as exc:
-                if exc.status == 404:
-                    continue
-                raise
+            obj = await kube.get_or_none(kind, name)
+            if obj is None:
+                continue
             ops = []
-            for i, hook in enumerate(obj.webhooks or []):
-                if (hook.client_config.ca_bundle or "") != encoded:
-                    ops.append({"op": "test", "path": f"/webhooks/{i}/name", "value": hook.name})
+            for i, hook in enumerate(obj.get("webhooks") or []):
+                if ((hook.get("clientConfig") or {}).get("caBundle") or "") != encoded:
+                    ops.append({"op": "test", "path": f"/webhooks/{i}/name", "value": hook["name"]})
                     ops.append(
                         {
                             "op": "add",
@@ -431,9 +410,9 @@ def patch_ca_bundles(
                         }
                     )
             if ops:
-                patch(name, ops)
+                await kube.patch(kind, name, ops, content_type=JSON_PATCH)
                 failpoint("certs.after_ca_bundle")  # one configuration patched, maybe not all
-                patched.append(f"{kind}/{name}")
+                patched.append(f"{kind.kind}/{name}")
     if patched:
         log.info("caBundle written to %s", ", ".join(patched))
     return patched

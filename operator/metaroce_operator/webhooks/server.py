@@ -48,7 +48,9 @@ from pathlib import Path
 from typing import Any
 
 from metaroce_api.constants import WEBHOOK_MUTATE_PATH, WEBHOOK_VALIDATE_PATH
+from metaroce_operator.kube import Credentials, Kube, load_credentials
 from metaroce_operator.webhooks import certs, metrics
+from metaroce_operator.webhooks.apiloop import ApiLoop
 from metaroce_operator.webhooks.mutate import Allowed, Denied, Namespace, NetworkView, mutate_pod
 from metaroce_operator.webhooks.validate import validate_network_change
 
@@ -669,12 +671,14 @@ class AppOptions:
 class WebhookApp:
     """Network watch + caches + (optional) certificate Secret sync/rotation + HTTPS server.
 
-    The operator embeds it as: `app = WebhookApp(options, api_client); app.start()` in
-    every replica (with `cert_secret` or a mounted `cert_dir`), and runs
-    `app.rotate_certificates()` from the leader only (or sets `manage_certs` in a
-    single-replica set-up). `app.stop()` on shutdown."""
+    The operator embeds it as: `app = WebhookApp(options, creds); app.start()` in every
+    replica (with `cert_secret` or a mounted `cert_dir`), and awaits
+    `app.rotate_certificates(kube)` from the leader only, on its own loop and client (a
+    standalone single-replica webhook sets `manage_certs`: the rotation then runs on the
+    webhook's API loop). Every API read goes through `ApiLoop`, the operator's client on
+    a loop of the webhook's own. `app.stop()` on shutdown."""
 
-    def __init__(self, options: AppOptions, api_client: Any) -> None:
+    def __init__(self, options: AppOptions, creds: Credentials) -> None:
         from metaroce_operator.webhooks.cache import (
             NamespaceLabels,
             NetworkWatch,
@@ -683,10 +687,11 @@ class WebhookApp:
         )
 
         self.options = options
-        self.api_client = api_client
-        self.watch = NetworkWatch(api_client)
-        self.namespaces = NamespaceLabels(api_client, options.namespace_ttl)
-        self.nodes = NodeLabels(api_client, options.node_ttl)
+        self.creds = creds
+        self.api = ApiLoop(creds)
+        self.watch = NetworkWatch(self.api)
+        self.namespaces = NamespaceLabels(self.api, options.namespace_ttl)
+        self.nodes = NodeLabels(self.api, options.node_ttl)
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         cert_dir = options.cert_dir
         if cert_dir is None:
@@ -698,7 +703,7 @@ class WebhookApp:
         )
         self.secret_ref = tuple(secret.split("/", 1)) if secret else None
         self.secret_watch = (
-            SecretWatch(api_client, self.secret_ref[0], self.secret_ref[1], cert_dir)
+            SecretWatch(self.api, self.secret_ref[0], self.secret_ref[1], cert_dir)
             if self.secret_ref and options.cert_dir is None
             else None
         )
@@ -715,35 +720,41 @@ class WebhookApp:
         self.server: WebhookServer | None = None
         self._stop = threading.Event()
 
-    def rotate_certificates(self, *, force: bool = False, force_ca: bool = False) -> str | None:
-        """Leader: make the Secret valid (create/rotate) and publish its CA bundle."""
-        from kubernetes import client
-
+    async def rotate_certificates(
+        self, kube: Kube, *, force: bool = False, force_ca: bool = False
+    ) -> str | None:
+        """Leader: make the Secret valid (create/rotate) and publish its CA bundle, through
+        `kube` (the operator's own client: the leader passes its lease-gated view)."""
         if self.secret_ref is None:
             raise RuntimeError("no certificate Secret configured: pass cert_secret")
         namespace, name = self.secret_ref
-        bundle, changed = certs.ensure_secret(
-            client.CoreV1Api(self.api_client),
+        bundle, changed = await certs.ensure_secret(
+            kube,
             namespace,
             name,
             certs.service_dns_names(self.options.service, self.options.service_namespace),
             force=force,
             force_ca=force_ca,
         )
-        certs.patch_ca_bundles(
-            client.AdmissionregistrationV1Api(self.api_client),
+        await certs.patch_ca_bundles(
+            kube,
             bundle.ca_bundle,
             mutating=self.options.mutating_configs,
             validating=self.options.validating_configs,
         )
         if self.secret_watch is not None:
-            self.secret_watch.sync_once()
+            self.secret_watch.show(bundle)  # now, rather than when the watch sees it
         return changed
+
+    def _rotate_standalone(self) -> str | None:
+        """`manage_certs` (a standalone, single-replica webhook): one rotation on the
+        webhook's own API loop."""
+        return self.api.call(self.rotate_certificates, timeout=120)
 
     def _rotation_loop(self) -> None:
         while not self._stop.wait(self.options.cert_check_interval):
             try:
-                self.rotate_certificates()
+                self._rotate_standalone()
             except Exception as exc:
                 log.warning("webhook: certificate check failed (%s); retrying later", exc)
 
@@ -753,7 +764,7 @@ class WebhookApp:
         returns without serving only when `stop()` is called meanwhile."""
         self.watch.start()
         if self.options.manage_certs:
-            self.rotate_certificates()
+            self._rotate_standalone()
             threading.Thread(target=self._rotation_loop, daemon=True, name="webhook-certs").start()
         if self.secret_watch is not None:
             self.secret_watch.start()
@@ -812,6 +823,7 @@ class WebhookApp:
         self.watch.stop()
         if self.server is not None:
             self.server.stop()
+        self.api.stop()
         if self._tmp is not None:
             self._tmp.cleanup()
 
@@ -887,18 +899,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_api_client(kubeconfig: str | None) -> Any:
-    from kubernetes import client, config
-
-    if kubeconfig:
-        return config.new_client_from_config(config_file=kubeconfig)  # type: ignore[no-untyped-call]
-    try:
-        config.load_incluster_config()  # type: ignore[no-untyped-call]
-        return client.ApiClient()
-    except config.ConfigException:
-        return config.new_client_from_config()  # type: ignore[no-untyped-call]
-
-
 def serve_main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(
@@ -936,7 +936,7 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
         from prometheus_client import start_http_server
 
         start_http_server(args.metrics_port)
-    app = WebhookApp(options, load_api_client(args.kubeconfig))
+    app = WebhookApp(options, load_credentials(args.kubeconfig))
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())

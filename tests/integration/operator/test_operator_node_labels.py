@@ -22,16 +22,18 @@ POOL = {"matchLabels": {"harness.metaroce.io/pool": "lab"}}
 LABEL = c.node_label("leaving")
 
 
-def _labels(env: OperatorEnv) -> dict[str, str | None]:
+def _labels(
+    env: OperatorEnv, label: str = LABEL, nodes: list[str] = NODES
+) -> dict[str, str | None]:
     out: dict[str, str | None] = {}
-    for node in NODES:
+    for node in nodes:
         body = get_json(env.cluster, "node", node) or {}
-        out[node] = ((body.get("metadata") or {}).get("labels") or {}).get(LABEL)
+        out[node] = ((body.get("metadata") or {}).get("labels") or {}).get(label)
     return out
 
 
-def _agent_nodes(env: OperatorEnv) -> set[str]:
-    return {p["spec"].get("nodeName") for p in env.agent_pods("leaving")} & set(NODES)
+def _agent_nodes(env: OperatorEnv, network: str = "leaving", nodes: list[str] = NODES) -> set[str]:
+    return {p["spec"].get("nodeName") for p in env.agent_pods(network)} & set(nodes)
 
 
 def test_a_node_leaving_the_selector_keeps_its_agent_until_it_reverted_issue_15_4(
@@ -66,3 +68,31 @@ def test_a_node_leaving_the_selector_keeps_its_agent_until_it_reverted_issue_15_
                  lambda: _labels(env) == dict.fromkeys(NODES), timeout=30)  # fmt: skip
     finally:
         env.cluster.kubectl("delete", "node", *NODES, "--wait=false", check=False)
+
+
+def test_a_network_without_cleanup_labels_no_node_issue_16_scale(env: OperatorEnv) -> None:
+    """The label keeps an agent until it reverted its node; without cleanupOnDelete
+    nothing is reverted, so no node gets it (the scale bench's operator arm wrote one
+    Node patch per node for it, its whole surplus over the limit arm). The agents run
+    on the selected nodes all the same, and go when a node leaves the selector."""
+    nodes = ["plain-1", "plain-2"]
+    labels = {"harness.metaroce.io/pool": "plain"}
+    env.cluster.add_nodes([FakeNode(n, labels=labels) for n in nodes])
+    label = c.node_label("plain")
+    try:
+        env.start_operator()
+        env.loadgen("plain")
+        env.apply(network_manifest("plain", nodeSelector={"matchLabels": labels}))
+        env.wait_condition("plain", c.CONDITION_READY, "True")
+        wait_for("an agent on both nodes",
+                 lambda: _agent_nodes(env, "plain", nodes) == set(nodes), timeout=30)  # fmt: skip
+        time.sleep(3)  # a few node passes
+        assert _labels(env, label, nodes) == dict.fromkeys(nodes)
+
+        env.cluster.kubectl("label", "node", "plain-2", "harness.metaroce.io/pool=elsewhere",
+                            "--overwrite")  # fmt: skip
+        wait_for("plain-2's agent to go",
+                 lambda: _agent_nodes(env, "plain", nodes) == {"plain-1"}, timeout=60)  # fmt: skip
+        assert _labels(env, label, nodes) == dict.fromkeys(nodes)
+    finally:
+        env.cluster.kubectl("delete", "node", *nodes, "--wait=false", check=False)

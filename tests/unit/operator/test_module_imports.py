@@ -74,3 +74,31 @@ def test_the_operator_modules_have_no_import_cycle() -> None:
     graph = {module_name(p): imports_of(p, modules) - {module_name(p)} for p in paths}
     assert graph[f"{PACKAGE}.kopfrun"] >= {f"{PACKAGE}.handlers"}
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
+
+
+def third_party_importers(top: str) -> set[str]:
+    """The package's modules that import the third-party package `top` anywhere."""
+    out: set[str] = set()
+    for path in sorted(ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and node.level == 0
+                else []
+            )
+            if any(n == top or n.startswith(f"{top}.") for n in names):
+                out.add(module_name(path))
+    return out
+
+
+def test_one_api_client_stack_issue_16() -> None:
+    """The operator process talks to the API through `kube` alone (the controller, the
+    leader's certificates, every webhook read); kopf drives the networks' reconcile from
+    three modules. The official kubernetes client only parses kubeconfigs (in `kube`):
+    the webhook's watches and the certificate rotation used it from threads of their own."""
+    assert third_party_importers("kubernetes") == {f"{PACKAGE}.kube"}
+    assert third_party_importers("kopf") == {
+        f"{PACKAGE}.{m}" for m in ("handlers", "bridge", "kopfrun")
+    }

@@ -44,6 +44,16 @@ def test_without_cleanup_or_without_an_agent_the_label_goes_at_once() -> None:
     assert plan_labels(L, set(), labels, {}, True) == {"gone": None}
 
 
+def test_without_cleanup_no_node_carries_the_label_issue_16_scale() -> None:
+    """The label keeps an agent until it reverted its node; a network without
+    cleanupOnDelete reverts nothing, so its nodes carry none (one Node write per node
+    saved: the scale bench's operator arm wrote one more per node than its limit arm)."""
+    assert plan_labels(L, {"a", "b"}, {"a": {}, "b": {}}, {"a": "Ready"}, False) == {}
+    # a label left from a time with cleanupOnDelete goes, selected or not
+    left = {"a": {L: "selected"}, "b": {L: "revert"}, "c": {}}
+    assert plan_labels(L, {"a"}, left, {"b": "Ready"}, False) == {"a": None, "b": None}
+
+
 def test_labels_of_deleted_networks_are_orphans() -> None:
     other = c.node_label("other")
     nodes = {"a": {L: "selected", other: "revert", "metaroce.io/rdma": "true"}, "b": {}}

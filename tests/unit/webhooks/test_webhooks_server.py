@@ -232,14 +232,12 @@ def test_internal_errors_are_http_errors_so_the_failure_policy_decides(tmp_path:
 def test_app_readiness_needs_a_certificate_and_a_synced_cache(tmp_path: Path) -> None:
     """What the operator's /readyz reports for its webhook (the API is unreachable here, so
     the network watch keeps retrying and the test marks the cache synced itself)."""
-    from kubernetes import client
-
+    from metaroce_operator.kube import Credentials
     from metaroce_operator.webhooks.server import AppOptions, WebhookApp
 
-    config = client.Configuration()
-    config.host = "https://127.0.0.1:1"
     app = WebhookApp(
-        AppOptions(cert_dir=tmp_path, address="127.0.0.1", port=0), client.ApiClient(config)
+        AppOptions(cert_dir=tmp_path, address="127.0.0.1", port=0),
+        Credentials(server="https://127.0.0.1:1"),
     )
     ok, why = app.ready()
     assert not ok and "no serving certificate" in why
