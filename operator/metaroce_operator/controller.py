@@ -34,6 +34,13 @@ from typing import Any
 from metaroce_api import InvalidObject, MetaRoceNetwork, parse_duration, validate_network
 from metaroce_api import constants as c
 from metaroce_api.failpoints import failpoint
+from metaroce_api.podnet import (
+    BLOCK_ANNOTATION_PREFIX,
+    NAD_API_VERSION,
+    NAD_CRD,
+    NAD_PLURAL,
+    block_annotation,
+)
 from metaroce_operator import cleanup, events, metrics, probes, taints, upgrade
 from metaroce_operator.apply import ApplyFailed, apply_children
 from metaroce_operator.claim import CLAIM_ANNOTATION, claim_patch, claimant, split_claim
@@ -55,6 +62,7 @@ from metaroce_operator.observed import (
     NodeView,
     parse_time,
 )
+from metaroce_operator.podblocks import plan_blocks, too_small_message
 from metaroce_operator.probekey import ensure_probe_key, probe_key_secret
 from metaroce_operator.render import RenderContext, config_generation, render_network
 from metaroce_operator.render.common import (
@@ -64,6 +72,7 @@ from metaroce_operator.render.common import (
     config_hash,
     selector_labels,
 )
+from metaroce_operator.render.nad import wants_nad
 from metaroce_operator.render.podpolicy import policy_name
 from metaroce_operator.settings import OperatorSettings
 from metaroce_operator.state import Applied, Store
@@ -122,6 +131,11 @@ def _after_child(kind: str) -> None:
 
 class PermanentFailure(Exception):
     """The spec cannot be reconciled as it is; retrying will not help until it changes."""
+
+
+class MultusMissing(Exception):
+    """The network's pods need Multus, whose CRD is not served: nothing is applied, and
+    kopf retries (Multus may be installed any time)."""
 
 
 class Controller:
@@ -473,6 +487,17 @@ class Controller:
         if refusal:
             self._fail(name, c.REASON_AGENT_IMAGE_NOT_ALLOWED, refusal)
             raise PermanentFailure(refusal)
+        if wants_nad(network) and not await self._multus_served():
+            pod_network = network.spec.attachment.pod_network
+            assert pod_network is not None
+            message = (
+                f"spec.attachment.podNetwork.mode {pod_network.mode} needs Multus, and its "
+                f"NetworkAttachmentDefinition CRD ({NAD_CRD}) is not served: install Multus "
+                "(thin plugin, v4) with its CRD, or set podNetwork.mode: hostNetwork; nothing "
+                "of this network is applied until then"
+            )
+            self._fail(name, c.REASON_MULTUS_MISSING, message)
+            raise MultusMissing(message)
         generation = network.metadata.generation or 0
         held = await self._holding_conflicts(name, network)
         if held:
@@ -540,6 +565,17 @@ class Controller:
             config_gen,
         )
         self.batch.mark(name)
+
+    async def _multus_served(self) -> bool:
+        """Whether Multus's NetworkAttachmentDefinition kind is served (API discovery,
+        which every authenticated client may read)."""
+        try:
+            doc = await self.kube.request("GET", f"/apis/{NAD_API_VERSION}")
+        except ApiError as err:
+            if err.status in (404, 503):
+                return False
+            raise
+        return any(r.get("name") == NAD_PLURAL for r in doc.get("resources") or [])
 
     async def _drop_leftover_policies(self, name: str) -> None:
         """Webhook mode: delete the network's pod admission policy left by a run in policy
@@ -695,6 +731,7 @@ class Controller:
             holding=upgrade.holding(holds),
             cleanup=cleanup_view,
             error=error,
+            pod_network=self.store.nodes.pod_blocks.get(name),
         )
 
     async def _write_status(self, name: str, body: dict[str, Any], new: Any, previous: Any) -> None:
@@ -830,9 +867,11 @@ class Controller:
         self._check_conflicts(valid, labels)
         await self._remove_orphaned_taints(known)
         await self._remove_orphaned_labels(known)
+        await self._remove_orphaned_blocks(known)
         for name, network in valid.items():
             if self._mine(self.store.networks.get(name) or {}):
                 await self._node_labels(name, network)
+                await self._pod_blocks(name, network)
                 await self._taints(name, network, known)
                 await self._agent_updates(name, network, labels)
 
@@ -919,6 +958,58 @@ class Controller:
                 if value is None:
                     why = "timed out reverting" if node in timed_out else "left the network"
                     log.info("%s: node %s %s: its agent goes", name, node, why)
+
+    async def _pod_blocks(self, name: str, network: MetaRoceNetwork) -> None:
+        """Each node of the network its block of podNetwork.subnet, as the node annotation
+        its agent reads (podblocks.py); a subnet too small for the nodes is Degraded."""
+        key = block_annotation(name)
+        view = self.store.nodes.view()
+        current = {n: v.annotations[key] for n, v in view.items() if key in v.annotations}
+        pod_network = network.spec.attachment.pod_network
+        if pod_network is None or not wants_nad(network):
+            for node in current:
+                await self._set_node_annotation(node, key, None)
+            self.store.nodes.pod_blocks.pop(name, None)
+            return
+        label = c.node_label(name)
+        members = set(self.store.nodes.eligible.get(name, frozenset())) | {
+            n for n, v in view.items() if label in v.labels
+        }
+        plan = plan_blocks(pod_network, members, current)
+        for node, value in plan.changes.items():
+            await self._set_node_annotation(node, key, value)
+            if value is not None:
+                log.info("%s: node %s gets the pod block %s", name, node, value)
+        problem = None
+        if plan.unassigned:
+            problem = (
+                c.REASON_POD_SUBNET_TOO_SMALL,
+                too_small_message(pod_network, len(members), set(plan.unassigned)),
+            )
+        if self.store.nodes.pod_blocks.get(name) != problem:
+            if problem is None:
+                self.store.nodes.pod_blocks.pop(name, None)
+            else:
+                self.store.nodes.pod_blocks[name] = problem
+                log.warning("%s: %s", name, problem[1])
+            self.batch.mark(name)
+
+    async def _remove_orphaned_blocks(self, live_networks: set[str]) -> None:
+        """Pod-block annotations of networks that are gone."""
+        prefix = BLOCK_ANNOTATION_PREFIX + "/"
+        for node, view in self.store.nodes.view().items():
+            for key in view.annotations:
+                if key.startswith(prefix) and key[len(prefix) :] not in live_networks:
+                    await self._set_node_annotation(node, key, None)
+                    log.info("removed the pod block %s of a deleted network from %s", key, node)
+
+    async def _set_node_annotation(self, node: str, key: str, value: str | None) -> None:
+        patch = {"metadata": {"annotations": {key: value}}}
+        try:
+            await self.kube.patch(NODE, node, patch)
+        except ApiError as err:
+            if err.status != 404:  # a node deleted meanwhile has no annotation to keep
+                raise
 
     async def _set_node_label(self, node: str, label: str, value: str | None) -> None:
         patch = {"metadata": {"labels": {label: value}}}

@@ -138,6 +138,8 @@ class Nodes:
         self._view: dict[str, NodeView] | None = None
         self.eligible: PerNetwork[frozenset[str]] = PerNetwork()
         """network -> the Linux nodes its nodeSelector matches."""
+        self.pod_blocks: PerNetwork[tuple[str, str]] = PerNetwork()
+        """network -> (reason, message) when nodes got no block of podNetwork.subnet."""
 
     def listed(self, nodes: list[NodeView]) -> None:
         self._view = {v.name: v for v in nodes}
