@@ -111,6 +111,7 @@ class Process:
             address=self.settings.bind_address,
             port=w.port,
             allowed_agent_images=self.settings.render.allowed_agent_images,
+            attachment_namespace=self.settings.render.namespace,
         )
         app = WebhookApp(options, load_api_client(self.settings.kubeconfig))
         self.webhook = app
