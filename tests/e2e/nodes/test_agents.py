@@ -1201,6 +1201,8 @@ def test_6_pods_reach_the_data_nic_through_multus(
         pods = {n: get(n) for n in names}
         ips = (_mr0(pods["pn-a"]), _mr0(pods["pn-b"]))
         for name, node, ip in zip(names, nodes, ips, strict=True):
+            # the cluster network still comes first, through Multus's default delegate
+            assert pods[name]["status"]["podIP"].startswith("10.244."), pods[name]["status"]
             ann = pods[name]["metadata"]["annotations"]
             assert ann["k8s.v1.cni.cncf.io/networks"] == (
                 f"{NAMESPACE}/metaroce-{PN_NETWORK}@mr0"
