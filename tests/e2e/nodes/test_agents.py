@@ -1213,6 +1213,17 @@ def test_6_pods_reach_the_data_nic_through_multus(
             assert env["FI_METAROCE_IFACE"] == "mr0" and env["MR_NCCL_IFNAME"] == "=mr0", env
             assert run(name, "cat /sys/class/net/mr0/operstate").strip() in ("up", "unknown")
         figures.append(f"podNetwork macvlan: mr0 {ips[0]} on {nodes[0]}, {ips[1]} on {nodes[1]}")
+        # a hostNetwork pod of the same network: no attachment, the transport binds the netdev
+        host = _training_pod("pn-host", nodes[0], kube.test_image)
+        host["metadata"]["namespace"] = PN_POD_NAMESPACE
+        host["metadata"]["annotations"] = {constants.NETWORKS_ANNOTATION: PN_NETWORK}
+        host["spec"]["hostNetwork"] = True
+        kube.kubectl("apply", "-f", "-", input=yaml.safe_dump(host))
+        _wait("the hostNetwork pod Ready", lambda: _ready(get("pn-host")), 240, 1)
+        assert "k8s.v1.cni.cncf.io/networks" not in get("pn-host")["metadata"]["annotations"]
+        env = dict(line.split("=", 1) for line in run("pn-host", "env").splitlines() if "=" in line)
+        assert env["FI_METAROCE_IFACE"] == "eth0" and env["MR_NCCL_IFNAME"] == "=eth0", env
+        kube.kubectl("delete", "pod", "pn-host", "-n", PN_POD_NAMESPACE, "--wait=false")
 
         counters = (
             "cat /sys/class/net/mr0/statistics/tx_bytes /sys/class/net/mr0/statistics/rx_bytes "
