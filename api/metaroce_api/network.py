@@ -565,7 +565,7 @@ class PodNetworkSpec(ApiModel):
     """The pods' addresses on the data network (macvlan/ipvlan), e.g. `10.56.0.0/16`. Must
     not overlap the nodes' or the cluster's pod and service networks."""
     node_prefix_length: Annotated[int, Field(ge=8, le=30)] = 24
-    """The size of each node's block of `subnet` (`/24`: 254 addresses, 253 pods)."""
+    """The size of each node's block of `subnet` (`/24`: 254 pod addresses per node)."""
     interface: PodInterfaceName = "mr0"
     """The interface name inside the pod; the webhook points the transport at it
     (`FI_METAROCE_IFACE`, `MR_NCCL_IFNAME`)."""
