@@ -122,3 +122,35 @@ def test_the_policy_renders_the_same_rules() -> None:
     assert "k8s.v1.cni.cncf.io" not in json.dumps(policy) and "hostNetwork" not in json.dumps(
         policy
     )
+
+
+def test_the_network_webhook_refuses_a_subnet_too_small_for_the_selected_nodes() -> None:
+    from webhook_testlib import network_obj
+
+    from metaroce_operator.webhooks.validate import validate_network_change
+
+    nodes = {f"n{i}": {"pool": "a"} for i in range(3)}
+    small = network_obj(
+        "small",
+        **METAROCE,
+        nodeSelector={"matchLabels": {"pool": "a"}},
+        attachment={"podNetwork": {"subnet": "10.56.0.0/23"}},  # two /24 blocks
+    )
+    verdict = validate_network_change(small, [], nodes)
+    assert [str(p) for p in verdict.problems] == [
+        "spec.attachment.podNetwork.subnet: 10.56.0.0/23 holds 2 blocks of /24, but "
+        "spec.nodeSelector selects 3 nodes, each of which needs its own: widen subnet, or "
+        "raise nodePrefixLength (smaller blocks, fewer pods per node)"
+    ]
+    fits = network_obj(
+        "fits",
+        **METAROCE,
+        nodeSelector={"matchLabels": {"pool": "a"}},
+        attachment={"podNetwork": {"subnet": "10.56.0.0/23", "nodePrefixLength": 25}},
+    )
+    assert validate_network_change(fits, [], nodes).allowed
+    # another network's overlapping subnet: a warning
+    other = NETS["mr"].network
+    assert other is not None
+    verdict = validate_network_change(fits, [other], nodes)  # (their NICs conflict too)
+    assert any("overlaps network 'mr'" in w for w in verdict.warnings), verdict
