@@ -178,6 +178,8 @@ def guest_setup_script() -> str:
     """Shell run in each guest: the binary into the CNI bin dir, the config directories."""
     return (
         "set -eu\n"
+        # the secondary interfaces' drivers (in the guest image, hack/build-guest.sh)
+        "modprobe macvlan\nmodprobe ipvlan\n"
         f"install -m 0755 {GUEST_MULTUS_DIR}/bin/multus {CNI_BIN_DIR}/multus\n"
         f"mkdir -p {NAD_CONF_DIR} $(dirname {KUBECONFIG}) /var/lib/cni/multus\n"
         f"{CNI_BIN_DIR}/multus -version\n"
