@@ -537,6 +537,13 @@ def _attach(
     added: list[str] = []
     for view in views:
         assert view.network is not None
+        declared = view.network.spec.attachment.pod_network
+        if declared is not None and not declared.secondary and not host_network:
+            warnings.append(
+                f"network {view.name!r} has spec.attachment.podNetwork.mode hostNetwork but "
+                "the pod does not run with hostNetwork: true, so the transport binds the "
+                "pod's own interface of that name, not the node's netdev: set hostNetwork"
+            )
         pod_network = pod_attachment(view.network)
         if pod_network is None or host_network:
             continue

@@ -96,9 +96,11 @@ def test_host_network_pods_keep_the_netdev() -> None:
     assert MULTUS not in out["metadata"]["annotations"]
     assert "FI_METAROCE_IFACE" not in env_of(out) and env_of(out)["FI_PROVIDER"] == "metaroce"
     for other in ("mrh", "mrp", "backend"):  # no secondary interface: nothing of Multus
-        out, _ = mutated(pod(other))
+        out, decision = mutated(pod(other))
         assert MULTUS not in out["metadata"]["annotations"], other
         assert "FI_METAROCE_IFACE" not in env_of(out), other
+        hint = [w for w in decision.warnings if "hostNetwork: true" in w]
+        assert bool(hint) == (other == "mrh"), (other, decision.warnings)
 
 
 def test_the_policy_renders_the_same_rules() -> None:
