@@ -16,6 +16,7 @@ from metaroce_api.network import (
     MetaRoceNetwork,
     NcclVariable,
     NicSelector,
+    PodNetworkSpec,
     ProbeSpec,
     QosSpec,
     TransportSpec,
@@ -43,6 +44,9 @@ class AgentConfig(ApiModel):
     probe: ProbeSpec = defaults_to_model(ProbeSpec)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     drift_interval: Duration = "5m"
+    pod_network: PodNetworkSpec | None = None
+    """transport metaroce, `attachment.podNetwork`: with macvlan/ipvlan the agent writes
+    the node's CNI configuration of the network's NetworkAttachmentDefinition."""
 
     @classmethod
     def from_network(cls, network: MetaRoceNetwork) -> "AgentConfig":
@@ -61,6 +65,7 @@ class AgentConfig(ApiModel):
             probe=spec.health.probe,
             log_level=spec.agent.log_level,
             drift_interval=spec.agent.drift_interval,
+            pod_network=spec.attachment.pod_network,
         )
 
     def to_yaml(self) -> str:

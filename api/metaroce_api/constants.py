@@ -117,6 +117,9 @@ REASON_RENDER_FAILED: Final = "RenderFailed"
 REASON_AGENT_IMAGE_NOT_ALLOWED: Final = "AgentImageNotAllowed"
 REASON_CLEANING_UP: Final = "CleaningUp"
 REASON_AS_EXPECTED: Final = "AsExpected"
+REASON_MULTUS_MISSING: Final = "MultusNotInstalled"
+"""podNetwork macvlan/ipvlan, and Multus's NetworkAttachmentDefinition CRD is not served."""
+REASON_POD_SUBNET_TOO_SMALL: Final = "PodSubnetTooSmall"
 
 # --- pod attachment: webhooks and device plugin ---------------------------------------------
 CONTAINER_ANNOTATION: Final = f"{GROUP}/container"

@@ -24,6 +24,11 @@ read-only at `CONTAINER_DIR`):
 - `MR_NCCL_IFNAME` = `=<netdev>[,...]` (exact names) and `FI_METAROCE_IFACE` = the first:
   the interfaces the plugin and the provider bind;
 - `MR_TRANSPORT_VERSION`, `MR_TRANSPORT_CHECKSUM`: which library the pod got.
+
+With `spec.attachment.podNetwork` macvlan/ipvlan, a pod not on the host network binds
+its Multus interface (`mr0`) instead: the webhook sets `FI_METAROCE_IFACE` and
+`MR_NCCL_IFNAME` in the pod spec (`interface_env`), which win over the device plugin's
+values (the kubelet puts the pod's own env after the plugin's).
 """
 
 from collections.abc import Sequence
@@ -42,7 +47,9 @@ LIBFABRIC_PROVIDER_DIRS = (
 """libfabric's default provider directories of Debian/Ubuntu, RHEL, a source build and
 EFA's installer, kept on FI_PROVIDER_PATH after the transport's own directory."""
 NETWORK_ENV = ("FI_PROVIDER", "NCCL_NET_PLUGIN", "MR_CONFIG")
-SELECTING_ENV = ("FI_PROVIDER", "NCCL_NET_PLUGIN")
+INTERFACE_ENV = ("FI_METAROCE_IFACE", "MR_NCCL_IFNAME")
+"""The interface the provider and the NCCL plugin bind."""
+SELECTING_ENV = ("FI_PROVIDER", "NCCL_NET_PLUGIN", *INTERFACE_ENV)
 """Variables whose other values take a job off metaroce (the webhook warns)."""
 
 
@@ -72,6 +79,11 @@ def network_env(transport: TransportSpec, qos: QosSpec) -> dict[str, str]:
     }
 
 
+def interface_env(interface: str) -> dict[str, str]:
+    """`FI_METAROCE_IFACE` and `MR_NCCL_IFNAME` for one interface (exact name)."""
+    return {"FI_METAROCE_IFACE": interface, "MR_NCCL_IFNAME": f"={interface}"}
+
+
 def allocation_env(
     transport: TransportSpec,
     qos: QosSpec,
@@ -87,7 +99,7 @@ def allocation_env(
         "MR_FI_PROVIDER_PATH": lib,
         "MR_LIB_DIR": lib,
         "MR_NCCL_IFNAME": "=" + ",".join(netdevs),
-        "FI_METAROCE_IFACE": netdevs[0],
+        "FI_METAROCE_IFACE": netdevs[0],  # pods with a Multus interface: the webhook's
         "MR_TRANSPORT_VERSION": version,
         "MR_TRANSPORT_CHECKSUM": checksum,
     }

@@ -6,6 +6,7 @@ data DSCP 26 on priority 3 with PFC on 3, CNPs DSCP 48 on priority 6, ECN for DC
 MetaRoCE-style transports run `lossy` (no PFC, ECN on).
 """
 
+from ipaddress import IPv4Network, ip_network
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
@@ -528,6 +529,150 @@ class QosSpec(ApiModel):
 # --- attachment, health, agent ---------------------------------------------------------------
 
 
+PodNetworkMode = Literal["macvlan", "ipvlan", "hostNetwork"]
+PodInterfaceName = Annotated[str, Field(min_length=1, max_length=15, pattern=r"^[a-z][a-z0-9]*$")]
+Ipv4Cidr = Annotated[
+    str, Field(min_length=9, max_length=18, pattern=r"^[0-9]+(\.[0-9]+){3}/[0-9]+$")
+]
+"""An IPv4 network in CIDR notation (`10.56.0.0/16`); the CEL rules check the numbers."""
+
+
+def _ipv4_network(text: str) -> IPv4Network | None:
+    """`text` as an IPv4 network without host bits, or None (as CEL's isCIDR/masked)."""
+    try:
+        net = ip_network(text, strict=True)
+    except ValueError:
+        return None
+    return net if isinstance(net, IPv4Network) else None
+
+
+class PodNetworkSpec(ApiModel):
+    """How a metaroce network's pods reach the selected netdev from their own network
+    namespace (the transport's UDP sockets belong to a network namespace).
+
+    `macvlan` / `ipvlan`: a secondary interface `interface` on the node's selected netdev,
+    made by Multus from the NetworkAttachmentDefinition the operator renders per network
+    (the webhook adds the pod's `k8s.v1.cni.cncf.io/networks` entry). Addresses come from
+    `subnet`, which the operator splits into one block of `/nodePrefixLength` per node
+    (stable while the node stays in the network), so pods on different nodes never
+    collide. `hostNetwork`: no secondary interface; pods that run with `hostNetwork: true`
+    use the netdev itself. Needs Multus (thin plugin, v4) in the cluster."""
+
+    mode: PodNetworkMode = "macvlan"
+    """`macvlan` (default: its own MAC per pod, bridge mode), `ipvlan` (L2, the netdev's
+    MAC: for NICs or switches that allow one MAC per port) or `hostNetwork`."""
+    subnet: Ipv4Cidr | None = None
+    """The pods' addresses on the data network (macvlan/ipvlan), e.g. `10.56.0.0/16`. Must
+    not overlap the nodes' or the cluster's pod and service networks."""
+    node_prefix_length: Annotated[int, Field(ge=8, le=30)] = 24
+    """The size of each node's block of `subnet` (`/24`: 254 pod addresses per node)."""
+    interface: PodInterfaceName = "mr0"
+    """The interface name inside the pod; the webhook points the transport at it
+    (`FI_METAROCE_IFACE`, `MR_NCCL_IFNAME`)."""
+
+    @property
+    def secondary(self) -> bool:
+        """Whether pods get a secondary interface (macvlan/ipvlan)."""
+        return self.mode != "hostNetwork"
+
+    @property
+    def network(self) -> IPv4Network | None:
+        return _ipv4_network(self.subnet) if self.subnet else None
+
+    @property
+    def block_count(self) -> int:
+        """How many nodes `subnet` has blocks for (0 without a usable subnet)."""
+        net = self.network
+        if net is None or self.node_prefix_length < net.prefixlen:
+            return 0
+        return 1 << (self.node_prefix_length - net.prefixlen)
+
+    cel_rules = (
+        Rule(
+            name="pod-network-needs-subnet",
+            cel="self.mode == 'hostNetwork' || has(self.subnet)",
+            field=".subnet",
+            message=(
+                "podNetwork.mode macvlan/ipvlan gives pods addresses from subnet, which is "
+                "unset: set subnet (e.g. 10.56.0.0/16), or mode: hostNetwork"
+            ),
+            check=lambda s: s.mode == "hostNetwork" or s.subnet is not None,
+            rejects=Case(
+                _spec(
+                    transport={"mode": "metaroce"},
+                    qos={"profile": "lossy"},
+                    attachment={"podNetwork": {"mode": "macvlan"}},
+                ),
+                field="spec.attachment.podNetwork.subnet",
+            ),
+            accepts=Case(
+                _spec(
+                    transport={"mode": "metaroce"},
+                    qos={"profile": "lossy"},
+                    attachment={"podNetwork": {"mode": "hostNetwork"}},
+                )
+            ),
+        ),
+        Rule(
+            name="pod-network-subnet-cidr",
+            cel=(
+                "!has(self.subnet) || (isCIDR(self.subnet) && cidr(self.subnet).ip().family() "
+                "== 4 && cidr(self.subnet) == cidr(self.subnet).masked())"
+            ),
+            field=".subnet",
+            message=(
+                "podNetwork.subnet is not an IPv4 network in CIDR notation without host bits: "
+                "write it like 10.56.0.0/16 (the address ending in zeros for its prefix)"
+            ),
+            check=lambda s: s.subnet is None or s.network is not None,
+            rejects=Case(
+                _spec(
+                    transport={"mode": "metaroce"},
+                    qos={"profile": "lossy"},
+                    attachment={"podNetwork": {"subnet": "10.56.1.0/16"}},
+                ),
+                field="spec.attachment.podNetwork.subnet",
+            ),
+            accepts=Case(
+                _spec(
+                    transport={"mode": "metaroce"},
+                    qos={"profile": "lossy"},
+                    attachment={"podNetwork": {"subnet": "10.56.0.0/16"}},
+                )
+            ),
+        ),
+        Rule(
+            name="pod-network-block-fits-subnet",
+            cel=(
+                "!has(self.subnet) || !isCIDR(self.subnet) || "
+                "cidr(self.subnet).prefixLength() <= self.nodePrefixLength"
+            ),
+            field=".nodePrefixLength",
+            message=(
+                "podNetwork.nodePrefixLength is shorter than subnet's prefix, so no node "
+                "block fits in subnet: set nodePrefixLength to at least subnet's prefix "
+                "length (e.g. 24 for a /16), or widen subnet"
+            ),
+            check=lambda s: s.network is None or s.node_prefix_length >= s.network.prefixlen,
+            rejects=Case(
+                _spec(
+                    transport={"mode": "metaroce"},
+                    qos={"profile": "lossy"},
+                    attachment={"podNetwork": {"subnet": "10.56.0.0/24", "nodePrefixLength": 16}},
+                ),
+                field="spec.attachment.podNetwork.nodePrefixLength",
+            ),
+            accepts=Case(
+                _spec(
+                    transport={"mode": "metaroce"},
+                    qos={"profile": "lossy"},
+                    attachment={"podNetwork": {"subnet": "10.56.0.0/24", "nodePrefixLength": 24}},
+                )
+            ),
+        ),
+    )
+
+
 class AttachmentSpec(ApiModel):
     """How pods attach to the network."""
 
@@ -544,6 +689,10 @@ class AttachmentSpec(ApiModel):
     """NCCL variables the webhook injects into pods, computed from this network."""
     socket_interface: InterfaceName | None = None
     """Pod interface for NCCL's bootstrap sockets (NCCL_SOCKET_IFNAME), e.g. `eth0`."""
+    pod_network: PodNetworkSpec | None = None
+    """transport metaroce: how pods reach the selected netdev (a Multus secondary
+    interface, or hostNetwork). Unset: pods use their cluster network interface (`eth0`),
+    which reaches the data NIC only through the node's routing, not as its own interface."""
 
     def effective_resource_name(self, network: str) -> str:
         """The resource name, after the `metaroce.io/<network>` default."""
@@ -788,6 +937,31 @@ class MetaRoceNetworkSpec(ApiModel):
                 field="spec.qos.profile",
             ),
             accepts=Case(_spec(transport={"mode": "metaroce"}, qos={"profile": "lossy"})),
+        ),
+        Rule(
+            name="pod-network-needs-metaroce",
+            cel="!has(self.attachment.podNetwork) || self.transport.mode == 'metaroce'",
+            field=".attachment.podNetwork",
+            message=(
+                "attachment.podNetwork is for transport metaroce (a UDP transport in the "
+                "pod's network namespace); RDMA transports reach the NIC through the RDMA "
+                "device: remove podNetwork, or set transport.mode: metaroce"
+            ),
+            check=lambda s: s.attachment.pod_network is None or s.transport.mode == "metaroce",
+            rejects=Case(
+                _spec(
+                    transport={"mode": "softroce"},
+                    attachment={"podNetwork": {"mode": "hostNetwork"}},
+                ),
+                field="spec.attachment.podNetwork",
+            ),
+            accepts=Case(
+                _spec(
+                    transport={"mode": "metaroce"},
+                    qos={"profile": "lossy"},
+                    attachment={"podNetwork": {"mode": "hostNetwork"}},
+                )
+            ),
         ),
     )
 

@@ -7,6 +7,9 @@
   ``node-containerd.tar`` (pause, agent and rdma-test already unpacked; shared read-only
   over 9p at ``/opt/metaroce-images``; no registry), and the pause image of that build
   is the sandbox image;
+- Multus (``multus.py``): the thin plugin, built at a pinned version, first in the CNI
+  conf dir, delegating the cluster network to the network below; its NAD CRD and RBAC
+  are installed on the cluster before the guests start;
 - CNI: a ``bridge`` + ``host-local`` network per guest (``node-N`` owns
   ``10.244.N.0/24``), routes to the other guests' pod subnets over ``eth0`` and
   masquerading only towards ``eth1`` (the host), so pods on two guests talk with their
@@ -55,6 +58,7 @@ from typing import Any
 
 import yaml
 
+from metaroce_harness import multus
 from metaroce_harness.cluster import (
     GUEST_HOST_ADDRESS,
     KUBERNETES_SERVICE_IP,
@@ -264,6 +268,7 @@ class RealNodes:
         self.addr_label = f"{_LABEL_PREFIX}{os.getpid() % 100000}"
         self._host_addrs: list[str] = []
         self.kubelets: dict[str, Any] = {}
+        self._multus_token = ""
         self.timings: dict[str, float] = {}
         self._host_lock: int | None = None
 
@@ -297,13 +302,20 @@ class RealNodes:
             self.images = find_images()
         bins = ensure_binaries()
         kubelet = Path(bins["kubelet"])
+        multus_dir = multus.ensure_multus()
         self._host_lock = take_host_lock(HOST_LOCK, _host_lock_wait())
         self.timings["host lock"] = time.monotonic() - t0
+        # Multus's CRD and RBAC: cluster prerequisites, as a platform installs them
+        self._multus_token = multus.install_prerequisites(self.cluster, multus_dir)
         self._add_host_addresses()
         self.guests = GuestCluster(
             self.count,
             memory_mb=self.memory_mb,
-            shares={GUEST_IMAGES_DIR: self.images.root, GUEST_K8S_BIN: kubelet.parent},
+            shares={
+                GUEST_IMAGES_DIR: self.images.root,
+                GUEST_K8S_BIN: kubelet.parent,
+                multus.GUEST_MULTUS_DIR: multus_dir,
+            },
             host_forwards=lambda i: [
                 f"tcp:{guest_ip(i)}:{KUBELET_PORT}-:{KUBELET_PORT}",
             ],
@@ -387,7 +399,19 @@ class RealNodes:
                     f"{g.run('tail -n 20 /var/log/metaroce/containerd.log').stdout}"
                 )
             time.sleep(0.5)
+        # Multus first in containerd's conf dir, delegating the cluster network to the
+        # guest's bridge + host-local (the same conflist, kept for reading)
+        self._check(g, multus.guest_setup_script(), "install Multus", timeout=60)
         g.write_file("/etc/cni/net.d/10-metaroce.conflist", cni_config(g.index))
+        g.write_file(
+            multus.CONF_FILE, multus.multus_config(json.loads(cni_config(g.index))), mode=0o600
+        )
+        server = f"https://{GUEST_HOST_ADDRESS}:{self._api_port()}"
+        g.write_file(
+            multus.KUBECONFIG,
+            multus.kubeconfig(server, self.cluster.ca.pair.cert_pem(), self._multus_token),
+            mode=0o600,
+        )
         g.write_file(f"{GUEST_NODE_DIR}/ca.crt", self.cluster.ca.pair.cert.read_bytes())
         g.write_file(f"{GUEST_NODE_DIR}/kubelet.yaml", kubelet_config())
         kubeconfig = self.cluster.kubeconfig_for(f"system:node:{g.name}", ["system:nodes"])

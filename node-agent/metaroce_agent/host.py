@@ -27,7 +27,14 @@ from metaroce_api.failpoints import failpoint
 
 log = logging.getLogger("metaroce.agent.host")
 
-ALLOWED_PREFIXES = ("/sys", "/proc", "/dev", "/run/metaroce", "/etc/metaroce")
+ALLOWED_PREFIXES = (
+    "/sys",
+    "/proc",
+    "/dev",
+    "/run/metaroce",
+    "/etc/metaroce",
+    "/etc/cni/multus/net.d",  # podNetwork: the node's CNI configuration of the network's NAD
+)
 """Absolute paths the agent may touch (relative to the root); anything else is a bug."""
 
 

@@ -58,6 +58,7 @@ from metaroce_agent.transport.stats import (
 )
 from metaroce_api import AgentConfig, MetaRoceNodeStateStatus, ProbeSummary, constants
 from metaroce_api.base import parse_duration
+from metaroce_api.podnet import block_annotation
 
 log = logging.getLogger("metaroce.agent.loop")
 
@@ -225,6 +226,11 @@ class Agent:
         """The operator's node label asks this agent to revert the node: it left the
         network's nodeSelector (see the operator's nodelabels.py)."""
         self.cleanup_on_delete = self.config.cleanup_on_delete
+        self.pod_block: str | None = None
+        """This node's block of the network's podNetwork.subnet (the operator's node
+        annotation, see metaroce_api.podnet), followed by `watch_node`."""
+        self._planned_block: str | None = None
+        """`pod_block` as the last apply pass planned with it."""
         self.prober: Any = None
         self._lock = threading.Lock()
         self._seen: tuple[Any, ...] = ()
@@ -332,12 +338,14 @@ class Agent:
             st.caps = probe_capabilities(self.host, inv, netdevs)
             t["capabilities"] = time.monotonic()
             facts = read_primary_facts(self.host, inv, self._internal_ips())
+            self._planned_block = self.pod_block
             st.plan = make_plan(
                 self.config,
                 inv,
                 st.caps,
                 skip_knobs=self.options.skip_knobs,
                 primary=primary_interfaces(facts, inv.netdevs),
+                pod_block=self._planned_block,
             )
             t["plan"] = time.monotonic()
             for note in st.plan.notes:
@@ -680,7 +688,13 @@ class Agent:
         nodeSelector (its agent reverts before it goes), `selected` while it is in."""
         if obj is None:
             return
-        labels = (obj.get("metadata") or {}).get("labels") or {}
+        meta = obj.get("metadata") or {}
+        labels = meta.get("labels") or {}
+        block = (meta.get("annotations") or {}).get(block_annotation(self.config.network))
+        if block != self.pod_block:
+            log.info("this node's pod block of network %s: %s", self.config.network, block)
+            self.pod_block = block
+            self.wake.set()
         left = labels.get(constants.node_label(self.config.network)) == constants.NODE_REVERT
         if left != self.left_network:
             self.left_network = left
@@ -689,6 +703,14 @@ class Agent:
                 "left" if left else "is in", self.config.network,
             )  # fmt: skip
             self.wake.set()
+
+    def _read_pod_block(self) -> None:
+        """This node's pod block before the first pass (the node watch follows it)."""
+        assert self.kube is not None
+        try:
+            self._check_node(self.kube.get(f"/api/v1/nodes/{self.options.node_name}"))
+        except KubeError as e:
+            log.warning("cannot read node %s (%s): the node watch will", self.options.node_name, e)
 
     def watch_node(self) -> None:
         """Thread: follow this node's labels (metadata only, see `_check_node`)."""
@@ -785,6 +807,8 @@ class Agent:
     def run(self) -> int:
         self.serve_metrics()
         self.start_plugin()
+        if self.config.pod_network is not None and self.kube is not None:
+            self._read_pod_block()
         self.apply_pass()
         if self.writer is not None and self.options.watch:
             threading.Thread(target=self.watch_network, name="network-watch", daemon=True).start()
@@ -828,7 +852,9 @@ class Agent:
                 self._reload()
                 next_drift = time.monotonic() + self.drift_seconds
                 continue
-            if self._retry_due():
+            if self._retry_due() or (
+                self.config.pod_network is not None and self.pod_block != self._planned_block
+            ):
                 self.apply_pass()
                 next_drift = time.monotonic() + self.drift_seconds
                 continue

@@ -35,6 +35,7 @@ from fnmatch import fnmatchcase
 from metaroce_agent.capabilities import Capabilities
 from metaroce_agent.discover import Inventory, NetDevice
 from metaroce_agent.modules import ModuleStep
+from metaroce_agent.podnet import missing_block_message, multus_conf_step
 from metaroce_agent.primary import primary_interface_errors
 from metaroce_agent.qos.dcb import DcbAppStep, DcbEtsStep, DcbPfcStep
 from metaroce_agent.qos.ecn import CnpStep, EcnStep
@@ -170,12 +171,15 @@ def make_plan(
     *,
     skip_knobs: Iterable[str] = (),
     primary: Mapping[str, tuple[str, ...]] | None = None,
+    pod_block: str | None = None,
 ) -> Plan:
     """The ordered steps that bring this node to the network's desired state.
 
     `primary` maps the node's primary interfaces (default route, InternalIP) to why
     (`primary.primary_interfaces`); selecting one without `nics.allowPrimaryInterface`
-    is a blocking error. None: the caller knows no such facts (fixture nodes)."""
+    is a blocking error. None: the caller knows no such facts (fixture nodes).
+    `pod_block`: this node's block of `podNetwork.subnet` (its node annotation), for
+    the CNI configuration of a metaroce network whose pods get a secondary interface."""
     netdevs = select_netdevs(config, inventory)
     if not netdevs:
         return Plan(
@@ -212,10 +216,34 @@ def make_plan(
         )
     steps: list[Step] = []
     skipped: list[Skip] = []
+    pod_network = config.pod_network
+    if tplan.mode == "metaroce" and pod_network is not None and pod_network.secondary:
+        if pod_block is None:
+            return Plan(
+                mode=tplan.mode,
+                netdevs=tuple(n.name for n in netdevs),
+                errors=(Issue("pod network", missing_block_message(config.network)),),
+                transport_message=tplan.message,
+                notes=(why, *tplan.notes),
+            )
+        try:
+            conf_step = multus_conf_step(config, netdevs[0].name, pod_block)
+        except ValueError as e:
+            return Plan(
+                mode=tplan.mode,
+                netdevs=tuple(n.name for n in netdevs),
+                errors=(Issue("pod network", f"{e}: the operator re-assigns it; wait"),),
+                transport_message=tplan.message,
+                notes=(why, *tplan.notes),
+            )
+    else:
+        conf_step = None
 
     if config.transport.mtu is not None:
         steps += [MtuStep(nd.name, mtu=config.transport.mtu) for nd in netdevs]
     steps += tplan.steps
+    if conf_step is not None:
+        steps.append(conf_step)  # after the MTU: macvlan/ipvlan children take the master's
     served = [d for d in tplan.devices if d.rdma_device]
     software_netdevs = {d.netdev for d in served if d.kind == "softroce"}
     for nd in netdevs:

@@ -106,6 +106,7 @@ class Process:
             address=self.settings.bind_address,
             port=w.port,
             allowed_agent_images=self.settings.render.allowed_agent_images,
+            attachment_namespace=self.settings.render.namespace,
         )
         app = WebhookApp(options, self.creds)
         self.webhook = app

@@ -13,8 +13,11 @@ from typing import Any
 
 import kopf
 
-from metaroce_operator.controller import Controller, PermanentFailure
+from metaroce_operator.controller import Controller, MultusMissing, PermanentFailure
 from metaroce_operator.kube import Credentials, NotLeader
+
+MULTUS_RETRY_SECONDS = 15.0
+"""How often a network waiting for Multus's CRD checks again."""
 
 
 def plain(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -64,3 +67,6 @@ class Bridge:
             await asyncio.Event().wait()
         except PermanentFailure as err:
             raise kopf.PermanentError(str(err)) from None
+        except MultusMissing as err:
+            # no traceback every few seconds: the status says it, kopf checks again later
+            raise kopf.TemporaryError(str(err), delay=MULTUS_RETRY_SECONDS) from None

@@ -37,6 +37,7 @@ from typing import Any
 from metaroce_api import InvalidObject, MetaRoceNetwork, validate_network
 from metaroce_api import constants as c
 from metaroce_api.failpoints import failpoint
+from metaroce_api.podnet import NAD_API_VERSION, NAD_CRD, NAD_PLURAL
 from metaroce_operator import cleanup, events, metrics, probes, upgrade
 from metaroce_operator.apply import ApplyFailed, apply_children, failure_status
 from metaroce_operator.claim import Claimer
@@ -60,6 +61,7 @@ from metaroce_operator.render.common import (
     child_name,
     config_hash,
 )
+from metaroce_operator.render.nad import wants_nad
 from metaroce_operator.render.podpolicy import policy_name
 from metaroce_operator.settings import OperatorSettings
 from metaroce_operator.state import Applied, Store, sick_nodes
@@ -112,6 +114,11 @@ def _after_child(kind: str) -> None:
 
 class PermanentFailure(Exception):
     """The spec cannot be reconciled as it is; retrying will not help until it changes."""
+
+
+class MultusMissing(Exception):
+    """The network's pods need Multus, whose CRD is not served: nothing is applied, and
+    kopf retries (Multus may be installed any time)."""
 
 
 class Controller:
@@ -332,6 +339,17 @@ class Controller:
         if refusal:
             self._fail(name, c.REASON_AGENT_IMAGE_NOT_ALLOWED, refusal)
             raise PermanentFailure(refusal)
+        if wants_nad(network) and not await self._multus_served():
+            pod_network = network.spec.attachment.pod_network
+            assert pod_network is not None
+            message = (
+                f"spec.attachment.podNetwork.mode {pod_network.mode} needs Multus, and its "
+                f"NetworkAttachmentDefinition CRD ({NAD_CRD}) is not served: install Multus "
+                "(thin plugin, v4) with its CRD, or set podNetwork.mode: hostNetwork; nothing "
+                "of this network is applied until then"
+            )
+            self._fail(name, c.REASON_MULTUS_MISSING, message)
+            raise MultusMissing(message)
         generation = network.metadata.generation or 0
         held = await self._holding_conflicts(name, network)
         if held:
@@ -399,6 +417,17 @@ class Controller:
             config_gen,
         )
         self.batch.mark(name)
+
+    async def _multus_served(self) -> bool:
+        """Whether Multus's NetworkAttachmentDefinition kind is served (API discovery,
+        which every authenticated client may read)."""
+        try:
+            doc = await self.kube.request("GET", f"/apis/{NAD_API_VERSION}")
+        except ApiError as err:
+            if err.status in (404, 503):
+                return False
+            raise
+        return any(r.get("name") == NAD_PLURAL for r in doc.get("resources") or [])
 
     async def _drop_leftover_policies(self, name: str) -> None:
         """Webhook mode: delete the network's pod admission policy left by a run in policy

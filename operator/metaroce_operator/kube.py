@@ -172,6 +172,13 @@ def _kinds() -> dict[tuple[str, str], Kind]:
         ),
         Kind(c.API_VERSION, c.NETWORK_KIND, c.NETWORK_PLURAL, False),
         Kind(c.API_VERSION, c.NODESTATE_KIND, c.NODESTATE_PLURAL, False),
+        # Multus's CRD (a cluster prerequisite of podNetwork macvlan/ipvlan, not ours)
+        Kind(
+            "k8s.cni.cncf.io/v1",
+            "NetworkAttachmentDefinition",
+            "network-attachment-definitions",
+            True,
+        ),
     ]
     return {(k.api_version, k.kind): k for k in table}
 

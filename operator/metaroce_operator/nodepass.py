@@ -20,13 +20,16 @@ from collections.abc import Callable, Mapping
 from metaroce_api import InvalidObject, MetaRoceNetwork, parse_duration, validate_network
 from metaroce_api import constants as c
 from metaroce_api.failpoints import failpoint
+from metaroce_api.podnet import BLOCK_ANNOTATION_PREFIX, block_annotation
 from metaroce_operator import cleanup, metrics, probes, taints, upgrade
 from metaroce_operator.claim import Claimer
 from metaroce_operator.conflicts import created_order, find_conflicts
 from metaroce_operator.kube import KINDS, ApiError, Kube, NotLeader
 from metaroce_operator.nodelabels import orphaned_labels, plan_labels
 from metaroce_operator.observed import NodeView
+from metaroce_operator.podblocks import plan_blocks, too_small_message
 from metaroce_operator.render.common import child_name, selector_labels
+from metaroce_operator.render.nad import wants_nad
 from metaroce_operator.settings import OperatorSettings
 from metaroce_operator.state import Store, sick_nodes
 from metaroce_operator.status import now_utc
@@ -109,9 +112,11 @@ class NodePass:
         self._check_conflicts(valid, labels)
         await self._remove_orphaned_taints(known)
         await self._remove_orphaned_labels(known)
+        await self._remove_orphaned_blocks(known)
         for name, network in valid.items():
             if self.claims.mine(self.store.networks.get(name) or {}):
                 await self._node_labels(name, network)
+                await self._pod_blocks(name, network)
                 await self._taints(name, network, known)
                 await self._agent_updates(name, network, labels)
 
@@ -192,6 +197,58 @@ class NodePass:
             elif value is None:
                 why = "timed out reverting" if node in timed_out else "left the network"
                 log.info("%s: node %s %s: its agent goes", name, node, why)
+
+    async def _pod_blocks(self, name: str, network: MetaRoceNetwork) -> None:
+        """Each node of the network its block of podNetwork.subnet, as the node annotation
+        its agent reads (podblocks.py); a subnet too small for the nodes is Degraded."""
+        key = block_annotation(name)
+        view = self.store.nodes.view()
+        current = {n: v.annotations[key] for n, v in view.items() if key in v.annotations}
+        pod_network = network.spec.attachment.pod_network
+        if pod_network is None or not wants_nad(network):
+            for node in current:
+                await self._set_node_annotation(node, key, None)
+            self.store.nodes.pod_blocks.pop(name, None)
+            return
+        label = c.node_label(name)
+        members = set(self.store.nodes.eligible.get(name, frozenset())) | {
+            n for n, v in view.items() if label in v.labels
+        }
+        plan = plan_blocks(pod_network, members, current)
+        for node, value in plan.changes.items():
+            await self._set_node_annotation(node, key, value)
+            if value is not None:
+                log.info("%s: node %s gets the pod block %s", name, node, value)
+        problem = None
+        if plan.unassigned:
+            problem = (
+                c.REASON_POD_SUBNET_TOO_SMALL,
+                too_small_message(pod_network, len(members), set(plan.unassigned)),
+            )
+        if self.store.nodes.pod_blocks.get(name) != problem:
+            if problem is None:
+                self.store.nodes.pod_blocks.pop(name, None)
+            else:
+                self.store.nodes.pod_blocks[name] = problem
+                log.warning("%s: %s", name, problem[1])
+            self.mark(name)
+
+    async def _remove_orphaned_blocks(self, live_networks: set[str]) -> None:
+        """Pod-block annotations of networks that are gone."""
+        prefix = BLOCK_ANNOTATION_PREFIX + "/"
+        for node, view in self.store.nodes.view().items():
+            for key in view.annotations:
+                if key.startswith(prefix) and key[len(prefix) :] not in live_networks:
+                    await self._set_node_annotation(node, key, None)
+                    log.info("removed the pod block %s of a deleted network from %s", key, node)
+
+    async def _set_node_annotation(self, node: str, key: str, value: str | None) -> None:
+        patch = {"metadata": {"annotations": {key: value}}}
+        try:
+            await self.kube.patch(NODE, node, patch)
+        except ApiError as err:
+            if err.status != 404:  # a node deleted meanwhile has no annotation to keep
+                raise
 
     async def _set_node_label(self, node: str, label: str, value: str | None) -> None:
         patch = {"metadata": {"labels": {label: value}}}

@@ -205,6 +205,7 @@ class NodeView:
     labels: Mapping[str, str] = field(default_factory=dict)
     taints: tuple[Mapping[str, Any], ...] = ()
     resource_version: str = ""
+    annotations: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> NodeView:
@@ -212,6 +213,7 @@ class NodeView:
         return cls(
             name=str(meta.get("name", "")),
             labels=dict(meta.get("labels") or {}),
+            annotations=dict(meta.get("annotations") or {}),
             taints=tuple((body.get("spec") or {}).get("taints") or ()),
             resource_version=str(meta.get("resourceVersion", "")),
         )

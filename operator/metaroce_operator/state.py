@@ -178,6 +178,8 @@ class Nodes:
         self._view: dict[str, NodeView] | None = None
         self.eligible: PerNetwork[frozenset[str]] = PerNetwork()
         """network -> the Linux nodes its nodeSelector matches."""
+        self.pod_blocks: PerNetwork[tuple[str, str]] = PerNetwork()
+        """network -> (reason, message) when nodes got no block of podNetwork.subnet."""
 
     def listed(self, nodes: list[NodeView]) -> None:
         self._view = {v.name: v for v in nodes}
@@ -547,6 +549,7 @@ class Store:
             holding=upgrade.holding(holds),
             cleanup=cleanup,
             error=error,
+            pod_network=self.nodes.pod_blocks.get(name),
         )
 
     def next_status(self, name: str, body: Mapping[str, Any], now: datetime) -> StatusUpdate | None:

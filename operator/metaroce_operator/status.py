@@ -105,6 +105,8 @@ class Observed:
     cleanup: CleanupView | None = None
     error: tuple[str, str] | None = None
     """(reason, message) when the spec is invalid or rendering failed."""
+    pod_network: tuple[str, str] | None = None
+    """(reason, message) when some nodes got no block of podNetwork.subnet: Degraded."""
 
 
 @dataclass
@@ -344,6 +346,8 @@ def compute_status(
         )
     if lossy:
         problems.append((c.REASON_LOSSY_ON_GO_BACK_N, lossy))
+    if obs.pod_network is not None:
+        problems.append(obs.pod_network)
 
     # --- Ready ---------------------------------------------------------------------------
     if obs.error is not None:

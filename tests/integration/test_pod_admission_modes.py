@@ -33,6 +33,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 from admission_cases import BE_SPEC, CASES, Case, Names, fe_spec
 
 MODES = ["webhook", "policy"]
+MR_SPEC: dict[str, Any] = {
+    "transport": {"mode": "metaroce"},
+    "qos": {"profile": "lossy"},
+    "attachment": {"podNetwork": {"subnet": "10.56.0.0/16"}},
+}
+"""A metaroce network whose pods get a Multus secondary interface (issue 14)."""
+MULTUS = "k8s.v1.cni.cncf.io/networks"
+
+
+def mr_name(tag: str) -> str:
+    return f"mr-{tag}"
+
+
 LEVELS = [None, "privileged", "baseline", "restricted"]
 
 
@@ -74,6 +87,7 @@ def mode(request: pytest.FixtureRequest, cluster: LocalCluster) -> Iterator[Mode
         env.add_resource_nodes(names.be)
         env.create_network(names.be, healthy=2, **BE_SPEC)
         env.create_network(names.fe, healthy=2, **fe_spec(names.r_fe))
+        env.create_network(mr_name(env.tag), healthy=2, **MR_SPEC)
         for level in LEVELS:
             ns = f"adm-{env.tag}-{level or 'none'}"
             cluster.kubectl("create", "namespace", ns)
@@ -84,6 +98,7 @@ def mode(request: pytest.FixtureRequest, cluster: LocalCluster) -> Iterator[Mode
             namespaces[level] = ns
         env.wait_cached(names.be)
         env.wait_cached(names.fe)
+        env.wait_cached(mr_name(env.tag))
         yield ModeEnv(env, names, namespaces)
     finally:
         for ns in namespaces.values():
@@ -305,3 +320,79 @@ def test_network_being_deleted_while_the_operator_is_stopped_injects_nothing(
             check=False,
         )
         env.start_replica()
+
+
+POD_NETWORK_PODS: dict[str, tuple[dict[str, str], dict[str, Any]]] = {
+    "plain": ({}, {}),
+    "comma": ({MULTUS: " sriov-a@net1 , other/b "}, {}),
+    "json": ({MULTUS: '[ {"name": "sriov-a", "interface": "net1"} ]'}, {}),
+    "json-empty": ({MULTUS: "[]"}, {}),
+    "listed": ({MULTUS: "metaroce-system/{mr}@data0"}, {}),
+    "host-network": ({}, {"hostNetwork": True}),
+    "user-iface": ({}, {"env": [{"name": "FI_METAROCE_IFACE", "value": "eth0"}]}),
+    "two-containers": ({MULTUS: "a"}, {"sidecar": True}),
+}
+
+
+@pytest.mark.parametrize("variant", list(POD_NETWORK_PODS))
+def test_pod_network_attachment_matches_the_webhook_s_pure_mutation(
+    running: ModeEnv, variant: str
+) -> None:
+    """Issue 14: a metaroce network with podNetwork macvlan. The pod the apiserver stores
+    (pod webhook, or the network's MutatingAdmissionPolicy) has the Multus annotation and
+    the interface variables the webhook's pure `mutate_pod` gives: the policy's CEL does
+    the same string surgery on both of Multus's annotation forms, and leaves hostNetwork
+    pods on the node's netdev."""
+    import jsonpatch  # type: ignore[import-untyped]
+
+    from metaroce_api import validate_network
+    from metaroce_api.podnet import nad_name
+    from metaroce_operator.webhooks.mutate import (
+        PSS_ENFORCE,
+        Allowed,
+        Namespace,
+        NetworkView,
+        mutate_pod,
+    )
+
+    mr = mr_name(running.env.tag)
+    annotations, extra = POD_NETWORK_PODS[variant]
+    pod = pod_manifest(f"pn-{variant}", mr)
+    pod["metadata"]["annotations"].update(
+        {k: v.replace("{mr}", nad_name(mr)) for k, v in annotations.items()}
+    )
+    if extra.get("hostNetwork"):
+        pod["spec"]["hostNetwork"] = True
+    if "env" in extra:
+        pod["spec"]["containers"][0]["env"] = extra["env"]
+    if extra.get("sidecar"):
+        pod["spec"]["containers"].append(
+            {
+                "name": "sidecar",
+                "image": "registry.invalid/log:1",
+                "env": [{"name": "X", "value": "1"}],
+            }
+        )
+    ns = running.namespaces["privileged"]
+    live = json.loads(running.cluster.kubectl("get", c.NETWORK_PLURAL, mr, "-o", "json").stdout)
+    decision = mutate_pod(
+        pod,
+        {mr: NetworkView(mr, validate_network(live))},
+        Namespace(ns, {PSS_ENFORCE: "privileged"}),
+    )
+    assert isinstance(decision, Allowed), decision
+    expected = jsonpatch.apply_patch(pod, decision.patch)
+    stored, refusal = running.create(pod, ns)
+    assert stored is not None, refusal
+    assert stored["metadata"]["annotations"].get(MULTUS) == expected["metadata"]["annotations"].get(
+        MULTUS
+    )
+    assert _what_admission_sets(stored) == _what_admission_sets(expected)
+    env = _what_admission_sets(stored)[0]["env"]
+    if variant == "host-network":
+        assert MULTUS not in stored["metadata"]["annotations"] and "FI_METAROCE_IFACE" not in env
+    elif variant == "user-iface":
+        assert env["FI_METAROCE_IFACE"] == "eth0" and env["MR_NCCL_IFNAME"] == "=mr0"
+    else:
+        assert env["FI_METAROCE_IFACE"] == "mr0", env
+        assert nad_name(mr) in stored["metadata"]["annotations"][MULTUS]

@@ -6,12 +6,14 @@ from typing import Any
 
 from metaroce_api import MetaRoceNetwork
 from metaroce_api import constants as c
+from metaroce_api.podnet import MULTUS_CONF_DIR
 from metaroce_operator.render.common import (
     CONFIG_DIR,
     CONFIG_FILE,
     RenderContext,
     render_template,
 )
+from metaroce_operator.render.nad import wants_nad
 
 
 def node_placement(network: MetaRoceNetwork) -> tuple[dict[str, str], dict[str, Any] | None]:
@@ -103,6 +105,7 @@ def render_daemonset(ctx: RenderContext) -> dict[str, Any]:
         config_key=c.AGENT_CONFIG_KEY,
         metrics_port=spec.agent.metrics_port,
         probe_port=spec.agent.probe_port,
+        multus_conf_dir=MULTUS_CONF_DIR if wants_nad(ctx.network) else "",
         resources={
             k: v for k, v in (("requests", resources.requests), ("limits", resources.limits)) if v
         },

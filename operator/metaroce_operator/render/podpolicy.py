@@ -58,6 +58,7 @@ from typing import Any, Final
 
 from metaroce_api import MetaRoceNetwork
 from metaroce_api import constants as c
+from metaroce_api.podnet import MULTUS_NETWORKS_ANNOTATION, json_entry, nad_name, nad_reference
 from metaroce_operator.render.common import child_labels, fit_name, owner_references
 from metaroce_operator.settings import RenderSettings
 from metaroce_operator.webhooks.mutate import IPC_LOCK, PSS_ENFORCE, PSS_FORBIDS_IPC_LOCK
@@ -412,10 +413,53 @@ def _record_op(network: str, resource: str, env: dict[str, str]) -> str:
     )
 
 
+MULTUS: Final = "variables.attachment"
+HOST_NETWORK: Final = "(has(object.spec.hostNetwork) && object.spec.hostNetwork)"
+
+
+def attachment_variable() -> dict[str, str]:
+    """The pod's Multus annotation, trimmed ('' when absent)."""
+    key = lit(MULTUS_NETWORKS_ANNOTATION)
+    return {"name": "attachment", "expression": f"{key} in {ANN} ? {ANN}[{key}].trim() : ''"}
+
+
+def attachment_ops(namespace: str, network: str, interface: str) -> str:
+    """CEL: the op adding the network's Multus attachment to the pod's annotation, as
+    `metaroce_api.podnet.merge_networks_annotation` does (the same string surgery)."""
+    key = lit(MULTUS_NETWORKS_ANNOTATION)
+    nad = nad_name(network)
+    ref = nad_reference(namespace, network, interface)
+    entry = json_entry(namespace, network, interface)
+    path = f"'/metadata/annotations/' + jsonpatch.escapeKey({key})"
+
+    def op(value: str) -> str:
+        return f"[JSONPatch{{op: 'add', path: {path}, value: {value}}}]"
+
+    named = json_text(f'"name":"{nad}"')
+    in_json = f"{MULTUS}.replace(' ', '').contains({named})"
+    in_list = (
+        f"{MULTUS}.split(',').exists(p, p.trim().split('@')[0] in "
+        f"{cel_list([nad, f'{namespace}/{nad}'])})"
+    )
+    appended = f"{MULTUS}.substring(0, size({MULTUS}) - 1) + {json_text(',' + entry + ']')}"
+    return (
+        f"({MULTUS} == '' ? {op(lit(ref))} : {MULTUS}.startsWith('[') ? "
+        f"(!{MULTUS}.endsWith(']') || {in_json} ? [] : "
+        f"{MULTUS}.substring(1, size({MULTUS}) - 1).trim() == '' ? "
+        f"{op(json_text('[' + entry + ']'))} : {op(appended)}) : "
+        f"{in_list} ? [] : {op(MULTUS + ' + ' + lit(',' + ref))})"
+    )
+
+
 def pod_patch_expression(network: str, resource: str, env: dict[str, str], forbidden: str) -> str:
     """The JSONPatch mutation (CEL): nothing where the namespace forbids IPC_LOCK; the
     usual pod's ops without per-container state (`single_container_ops`), else the
     general ones when there is a target (`active_expression`); the record last."""
+    return f"({forbidden}) ? [] : {pod_mutation(network, resource, env)}"
+
+
+def pod_mutation(network: str, resource: str, env: dict[str, str]) -> str:
+    """`pod_patch_expression` without the Pod Security guard."""
     ops = " + ".join(
         [
             _resource_ops(resource),
@@ -425,10 +469,45 @@ def pod_patch_expression(network: str, resource: str, env: dict[str, str], forbi
         ]
     )
     return (
-        f"({forbidden}) ? [] : ({single_container_expression(resource)}) ? "
+        f"({single_container_expression(resource)}) ? "
         f"{single_container_ops(network, resource, env)} : "
         f"({active_expression()}) ? {ops} : []"
     )
+
+
+def host_variant(text: str) -> str:
+    """An expression over the hostNetwork pod's env variables (`missingHost`, ...)."""
+    return text.replace("variables.missing", "variables.missingHost").replace(
+        "variables.replaced", "variables.replacedHost"
+    )
+
+
+def policy_mutation(
+    network: MetaRoceNetwork, settings: RenderSettings, forbidden: str
+) -> tuple[list[dict[str, str]], str]:
+    """(variables, JSONPatch expression). A network whose pods get a Multus secondary
+    interface: a pod on the host network gets the env without the interface variables
+    and no attachment (the device plugin's netdev stands), any other pod the attachment
+    and the interface (the webhook's `network_env(net, host_network)` and `_attach`)."""
+    from metaroce_operator.webhooks.mutate import network_env, pod_attachment
+
+    resource = network.resource_name
+    env = network_env(network)
+    variables = pod_policy_variables(network.name, resource, env)
+    pod_network = pod_attachment(network)
+    if pod_network is None:
+        return variables, pod_patch_expression(network.name, resource, env, forbidden)
+    host_env = network_env(network, host_network=True)
+    host_vars = [
+        {"name": f"{v['name']}Host", "expression": v["expression"]}
+        for v in pod_policy_variables(network.name, resource, host_env)
+        if v["name"] in ("missing", "replaced")
+    ]
+    attach = attachment_ops(settings.namespace, network.name, pod_network.interface)
+    host = host_variant(pod_mutation(network.name, resource, host_env))
+    other = pod_mutation(network.name, resource, env)
+    expression = f"({forbidden}) ? [] : {HOST_NETWORK} ? ({host}) : {attach} + ({other})"
+    return [*variables, *host_vars, attachment_variable()], expression
 
 
 def match_conditions(network: str, *, param: bool = False) -> list[dict[str, str]]:
@@ -456,17 +535,14 @@ def match_conditions(network: str, *, param: bool = False) -> list[dict[str, str
 
 def render_pod_policy(network: MetaRoceNetwork, settings: RenderSettings) -> list[dict[str, Any]]:
     """The network's MutatingAdmissionPolicy and its binding (owned by the network)."""
-    from metaroce_operator.webhooks.mutate import network_env
-
     name = policy_name(network.name)
-    resource = network.resource_name
-    env = network_env(network)
     labels = {**child_labels(network.name), c.COMPONENT_LABEL: COMPONENT_ADMISSION}
     meta: dict[str, Any] = {"name": name, "labels": labels}
     owners = owner_references(network)
     if owners:
         meta["ownerReferences"] = owners
     forbidden = forbidden_expression(settings.pod_security_check, settings.pod_security_default)
+    variables, expression = policy_mutation(network, settings, forbidden)
     # Only a network the operator's cleanup finalizer can hold is the param (module doc).
     param = network.spec.cleanup_on_delete
     policy: dict[str, Any] = {
@@ -496,13 +572,11 @@ def render_pod_policy(network: MetaRoceNetwork, settings: RenderSettings) -> lis
                 },
             },
             "matchConditions": match_conditions(network.name, param=param),
-            "variables": pod_policy_variables(network.name, resource, env),
+            "variables": variables,
             "mutations": [
                 {
                     "patchType": "JSONPatch",
-                    "jsonPatch": {
-                        "expression": pod_patch_expression(network.name, resource, env, forbidden)
-                    },
+                    "jsonPatch": {"expression": expression},
                 }
             ],
         },

@@ -49,8 +49,16 @@ from typing import Any
 from metaroce_api import MetaRoceNetwork
 from metaroce_api.base import DNS_LABEL_RE
 from metaroce_api.constants import CONTAINER_ANNOTATION, INJECTED_ANNOTATION, NETWORKS_ANNOTATION
-from metaroce_api.metaroce_env import SELECTING_ENV
+from metaroce_api.metaroce_env import INTERFACE_ENV, SELECTING_ENV, interface_env
 from metaroce_api.metaroce_env import network_env as metaroce_network_env
+from metaroce_api.network import PodNetworkSpec
+from metaroce_api.podnet import (
+    MULTUS_NETWORKS_ANNOTATION,
+    attachment_interface,
+    malformed_list,
+    merge_networks_annotation,
+    nad_reference,
+)
 
 IPC_LOCK = "IPC_LOCK"
 PSS_ENFORCE = "pod-security.kubernetes.io/enforce"
@@ -71,6 +79,8 @@ NETWORK_ENV = (
 DEVICE_PLUGIN_ENV = ("NCCL_IB_HCA", "NCCL_IB_GID_INDEX")
 
 _NAME = re.compile(DNS_LABEL_RE)
+DEFAULT_ATTACHMENT_NAMESPACE = "metaroce-system"
+"""The agents' namespace by default, where the NetworkAttachmentDefinitions are."""
 
 
 @dataclass(frozen=True)
@@ -274,15 +284,29 @@ def _pod_label(pod: Mapping[str, Any], namespace: str) -> str:
     return f"pod {namespace}/{name}"
 
 
-def network_env(net: MetaRoceNetwork) -> dict[str, str]:
+def pod_attachment(net: MetaRoceNetwork) -> PodNetworkSpec | None:
+    """The network's podNetwork when its pods get a Multus secondary interface."""
+    pod_network = net.spec.attachment.pod_network
+    if net.spec.transport.mode != "metaroce" or pod_network is None or not pod_network.secondary:
+        return None
+    return pod_network
+
+
+def network_env(net: MetaRoceNetwork, host_network: bool = False) -> dict[str, str]:
     """The network-wide NCCL variables of `net`, limited to its `ncclEnv` (a metaroce
-    network: the transport's variables, and NCCL_SOCKET_IFNAME when listed and set)."""
+    network: the transport's variables, and NCCL_SOCKET_IFNAME when listed and set; with
+    a Multus secondary interface and a pod not on the host network, the interface the
+    transport binds: `FI_METAROCE_IFACE` and `MR_NCCL_IFNAME`, which the device plugin
+    otherwise sets to the node's netdev, as it does for hostNetwork pods)."""
     spec = net.spec
     wanted = set(spec.attachment.nccl_env)
     if spec.transport.mode == "metaroce":
         env = metaroce_network_env(spec.transport, spec.qos)
         if "NCCL_SOCKET_IFNAME" in wanted and spec.attachment.socket_interface:
             env["NCCL_SOCKET_IFNAME"] = spec.attachment.socket_interface
+        pod_network = pod_attachment(net)
+        if pod_network is not None and not host_network:
+            env.update(interface_env(pod_network.interface))
         return env
     values: dict[str, str | None] = {
         "NCCL_IB_TC": str(spec.qos.data.dscp << 2),
@@ -321,8 +345,12 @@ def mutate_pod(
     *,
     check_pod_security: bool = True,
     default_pod_security: str = "privileged",
+    attachment_namespace: str = DEFAULT_ATTACHMENT_NAMESPACE,
 ) -> Decision:
     """Decide on one pod CREATE; see the module docstring.
+
+    `attachment_namespace`: where the networks' NetworkAttachmentDefinitions are (the
+    agents' namespace).
 
     `default_pod_security`: the cluster's PodSecurity default `enforce` level (from its
     AdmissionConfiguration), used for namespaces without the label."""
@@ -398,6 +426,10 @@ def mutate_pod(
 
     patch = _Patch(pod)
     injected: dict[str, Any] = {"networks": names}
+    host_network = bool(spec.get("hostNetwork"))
+    attachments = _attach(patch, annotations, views, attachment_namespace, host_network, warnings)
+    if attachments:
+        injected["attachments"] = attachments
 
     # Resources: one unit (= one NIC) of each network, unless a container (init ones
     # included) asks already. The settings below go to the containers that hold a unit.
@@ -430,14 +462,14 @@ def mutate_pod(
 
     targets = list(served)
     injected["container"] = targets[0].name
-    records = [_settle(patch, slot, served[slot], warnings) for slot in targets]
+    records = [_settle(patch, slot, served[slot], warnings, host_network) for slot in targets]
     if len(targets) == 1:
         injected.update(records[0])
     else:
         injected["containers"] = {
             slot.name: rec for slot, rec in zip(targets, records, strict=True)
         }
-    network_keys = {k for v in views if v.network for k in network_env(v.network)}
+    network_keys = {k for v in views if v.network for k in network_env(v.network, host_network)}
     plugin_env = sorted(
         {
             k
@@ -489,8 +521,65 @@ def _containers(spec: Mapping[str, Any]) -> list[_Slot]:
     return out
 
 
+def _attach(
+    patch: _Patch,
+    annotations: Mapping[str, str],
+    views: Sequence[NetworkView],
+    namespace: str,
+    host_network: bool,
+    warnings: list[str],
+) -> list[str]:
+    """The Multus attachment of each network with a secondary pod interface, into the
+    pod's `k8s.v1.cni.cncf.io/networks` (kept as the user wrote it where it lists the
+    network's NAD already; see metaroce_api.podnet). None for hostNetwork pods: Multus
+    attaches nothing to them, and the transport binds the node's netdev."""
+    value = annotations.get(MULTUS_NETWORKS_ANNOTATION)
+    added: list[str] = []
+    for view in views:
+        assert view.network is not None
+        declared = view.network.spec.attachment.pod_network
+        if declared is not None and not declared.secondary and not host_network:
+            warnings.append(
+                f"network {view.name!r} has spec.attachment.podNetwork.mode hostNetwork but "
+                "the pod does not run with hostNetwork: true, so the transport binds the "
+                "pod's own interface of that name, not the node's netdev: set hostNetwork"
+            )
+        pod_network = pod_attachment(view.network)
+        if pod_network is None or host_network:
+            continue
+        if malformed_list((value or "").strip()):
+            warnings.append(
+                f"annotation {MULTUS_NETWORKS_ANNOTATION} starts a JSON list it does not end: "
+                f"the attachment of network {view.name!r} is not added (Multus will refuse the "
+                "pod); fix the annotation"
+            )
+            continue
+        merged = merge_networks_annotation(value, namespace, view.name, pod_network.interface)
+        if merged is None:
+            iface = attachment_interface(value, namespace, view.name)
+            if iface != pod_network.interface:
+                warnings.append(
+                    f"annotation {MULTUS_NETWORKS_ANNOTATION} attaches network {view.name!r} "
+                    f"as interface {iface or '(unnamed: Multus calls it netN)'}, but the "
+                    f"transport is pointed at {pod_network.interface!r} "
+                    "(spec.attachment.podNetwork.interface): name it "
+                    f"{nad_reference(namespace, view.name, pod_network.interface)}, or remove "
+                    "the entry and let metaroce add it"
+                )
+            continue
+        value = merged
+        added.append(nad_reference(namespace, view.name, pod_network.interface))
+    if added:
+        patch.set(["metadata", "annotations", MULTUS_NETWORKS_ANNOTATION], value)
+    return added
+
+
 def _settle(
-    patch: _Patch, slot: _Slot, views: Sequence[NetworkView], warnings: list[str]
+    patch: _Patch,
+    slot: _Slot,
+    views: Sequence[NetworkView],
+    warnings: list[str],
+    host_network: bool = False,
 ) -> dict[str, Any]:
     """IPC_LOCK and the network-wide NCCL variables for one container that holds units of
     `views` (the first network listed wins a variable; the user's own env is never
@@ -514,7 +603,7 @@ def _settle(
     origin: dict[str, str] = {}
     for view in views:
         assert view.network is not None
-        for key, value in network_env(view.network).items():
+        for key, value in network_env(view.network, host_network).items():
             if key not in env:
                 env[key], origin[key] = value, view.name
             elif env[key] != value:
@@ -527,7 +616,14 @@ def _settle(
         e.get("name"): e.get("value") for e in slot.body.get("env") or [] if isinstance(e, Mapping)
     }
     for key in kept:
-        if key in SELECTING_ENV and user_values.get(key) != env[key]:
+        if key in INTERFACE_ENV and user_values.get(key) != env[key]:
+            warnings.append(
+                f"container {cname!r} sets {key}={user_values.get(key)!r}: kept, so the "
+                f"transport of network {origin[key]!r} binds that interface, not its "
+                f"secondary interface on the data NIC ({env[key]!r}); remove {key} from its "
+                "env to use it"
+            )
+        elif key in SELECTING_ENV and user_values.get(key) != env[key]:
             warnings.append(
                 f"container {cname!r} sets {key}={user_values.get(key)!r}: kept, so it will "
                 f"not use the metaroce transport of network {origin[key]!r}; remove {key} "

@@ -51,7 +51,14 @@ from metaroce_api.constants import WEBHOOK_MUTATE_PATH, WEBHOOK_VALIDATE_PATH
 from metaroce_operator.kube import Credentials, Kube, load_credentials
 from metaroce_operator.webhooks import certs, metrics
 from metaroce_operator.webhooks.apiloop import ApiLoop
-from metaroce_operator.webhooks.mutate import Allowed, Denied, Namespace, NetworkView, mutate_pod
+from metaroce_operator.webhooks.mutate import (
+    DEFAULT_ATTACHMENT_NAMESPACE,
+    Allowed,
+    Denied,
+    Namespace,
+    NetworkView,
+    mutate_pod,
+)
 from metaroce_operator.webhooks.validate import validate_network_change
 
 log = logging.getLogger("metaroce.webhooks")
@@ -89,8 +96,10 @@ class AdmissionHandler:
         default_pod_security: str = "privileged",
         sync_timeout: float = 2.0,
         allowed_agent_images: Sequence[str] | None = None,
+        attachment_namespace: str = DEFAULT_ATTACHMENT_NAMESPACE,
     ) -> None:
         self.allowed_agent_images = allowed_agent_images
+        self.attachment_namespace = attachment_namespace
         self.networks = networks
         self.synced = synced
         self.namespace_labels = namespace_labels
@@ -122,6 +131,7 @@ class AdmissionHandler:
             Namespace(namespace, self.namespace_labels(namespace)),
             check_pod_security=self.check_pod_security,
             default_pod_security=self.default_pod_security,
+            attachment_namespace=self.attachment_namespace,
         )
 
     def validate(self, request: Mapping[str, Any]) -> Allowed | Denied:
@@ -666,6 +676,8 @@ class AppOptions:
     allowed_agent_images: Sequence[str] | None = None
     """The images networks may name in spec.agent.image (the operator's allowlist, see
     `images`); None: not checked (a standalone webhook given none)."""
+    attachment_namespace: str = DEFAULT_ATTACHMENT_NAMESPACE
+    """The agents' namespace, where the networks' NetworkAttachmentDefinitions are."""
 
 
 class WebhookApp:
@@ -716,6 +728,7 @@ class WebhookApp:
             default_pod_security=options.default_pod_security,
             sync_timeout=options.sync_timeout,
             allowed_agent_images=options.allowed_agent_images,
+            attachment_namespace=options.attachment_namespace,
         )
         self.server: WebhookServer | None = None
         self._stop = threading.Event()

@@ -246,6 +246,45 @@ def _resource_names(
             )
 
 
+def _pod_network(
+    net: MetaRoceNetwork,
+    others: Iterable[MetaRoceNetwork],
+    nodes: Mapping[str, Mapping[str, str]] | None,
+    verdict: Verdict,
+) -> None:
+    """podNetwork macvlan/ipvlan: a subnet with fewer node blocks than the nodes the
+    network selects now is refused (the operator reports the same later, when nodes are
+    added); a subnet overlapping another network's is a warning (on one L2 their pods'
+    addresses would collide)."""
+    spec = net.spec.attachment.pod_network
+    subnet = spec.network if spec is not None and spec.secondary else None
+    if spec is None or subnet is None or net.spec.transport.mode != "metaroce":
+        return
+    if nodes is not None:
+        selected = [
+            n for n, labels in nodes.items() if selector_matches(net.spec.node_selector, labels)
+        ]
+        if len(selected) > spec.block_count:
+            verdict.problems.append(
+                Problem(
+                    "spec.attachment.podNetwork.subnet",
+                    f"{spec.subnet} holds {spec.block_count} blocks of "
+                    f"/{spec.node_prefix_length}, but spec.nodeSelector selects "
+                    f"{len(selected)} nodes, each of which needs its own: widen subnet, or "
+                    "raise nodePrefixLength (smaller blocks, fewer pods per node)",
+                )
+            )
+    for other in others:
+        theirs = other.spec.attachment.pod_network
+        their_subnet = theirs.network if theirs is not None and theirs.secondary else None
+        if their_subnet is not None and their_subnet.overlaps(subnet):
+            verdict.warnings.append(
+                f"spec.attachment.podNetwork.subnet {spec.subnet} overlaps network "
+                f"{other.name!r}'s {theirs.subnet if theirs else ''}: pods of the two on one "
+                "L2 would get the same addresses; give each network its own subnet"
+            )
+
+
 def _only_software(nics: NicSelector) -> str | None:
     """Why the selector can only pick NICs without hardware RDMA, or None."""
     if nics.drivers and all(d in NO_RDMA_DRIVERS for d in nics.drivers):
@@ -384,6 +423,7 @@ def _judge(
     _ports(net, rest, nodes, verdict)
     _resource_names(net, rest, verdict)
     _transport(net, verdict)
+    _pod_network(net, rest, nodes, verdict)
     if allowed_agent_images is not None:
         refusal = image_refusal(net, allowed_agent_images)
         if refusal:

@@ -1090,3 +1090,183 @@ def test_5_metaroce_network_rolls_out_and_pods_get_the_library(
             stats = f"/run/metaroce/agent/{MR_NETWORK}/stats"
             left = g.run(f"ls {stats} 2>/dev/null || true", check=True).stdout.strip()
             assert not left, (g.name, "stats directories of gone pods", left)
+
+
+# -- 6: pods reach the data NIC through Multus (issue 14 item 1) ---------------------------
+
+PN_NETWORK = "e2e-podnet"
+PN_RESOURCE = f"metaroce.io/{PN_NETWORK}"
+PN_SUBNET = "10.56.0.0/16"
+PN_POD_NAMESPACE = "e2e-podnet"
+MULTUS_STATUS = "k8s.v1.cni.cncf.io/network-status"
+
+
+def _podnet_network() -> str:
+    doc = yaml.safe_load(_metaroce_network())
+    doc["metadata"]["name"] = PN_NETWORK
+    doc["spec"]["attachment"] = {
+        "resourceName": PN_RESOURCE,
+        "podsPerDevice": 4,
+        "podNetwork": {"mode": "macvlan", "subnet": PN_SUBNET},
+    }
+    return str(yaml.safe_dump(doc))
+
+
+def _pn_ready_nodes(kube: Kube) -> list[str]:
+    out = kube.kubectl(
+        "get", "metarocenodestates", "-l", f"metaroce.io/network={PN_NETWORK}", "-o", "json"
+    ).stdout
+    return sorted(
+        s["spec"]["node"]
+        for s in json.loads(out)["items"]
+        if (s.get("status") or {}).get("phase") == "Ready"
+    )
+
+
+def _mr0(pod: dict[str, Any]) -> str:
+    """The pod's mr0 address, from the network-status Multus wrote on the pod."""
+    status = json.loads(pod["metadata"].get("annotations", {}).get(MULTUS_STATUS, "[]"))
+    found = [s for s in status if s.get("interface") == "mr0"]
+    assert found and found[0].get("ips"), status
+    return str(found[0]["ips"][0])
+
+
+def test_6_pods_reach_the_data_nic_through_multus(
+    kube: Kube, operator: None, figures: list[str]
+) -> None:
+    """A metaroce network with podNetwork macvlan: the operator renders its NAD and gives
+    each node a block of the subnet, the agents write the nodes' CNI configuration, the
+    webhook adds the pods' Multus entry, and two annotated pods get `mr0` on the node's
+    eth0 with an address of their node's block. metaroce-perf between those addresses
+    moves its bytes through mr0 (the pods' interface counters), not through the pod
+    network's eth0; deleting the network (cleanupOnDelete) removes the nodes' CNI
+    configuration and the blocks."""
+    real = kube.real_nodes
+    if real is None or real.guests is None:
+        pytest.skip("Multus is the harness's: an external cluster brings its own (docs/kind.md)")
+    nodes = kube.nodes[:2]
+    kube.kubectl("delete", "metarocenetwork", PN_NETWORK, "--ignore-not-found", timeout=240)
+    kube.kubectl("apply", "-f", "-", input=_podnet_network())
+    conf = f"/etc/cni/multus/net.d/metaroce-{PN_NETWORK}.conf"
+    try:
+        took = _wait(
+            "podnet NodeStates Ready on both nodes",
+            lambda: _pn_ready_nodes(kube) == sorted(nodes),
+            420,
+        )
+        figures.append(f"podNetwork macvlan: NodeStates Ready {took:.1f} s after apply")
+        node_objs = {
+            n: json.loads(kube.kubectl("get", "node", n, "-o", "json").stdout) for n in nodes
+        }
+        blocks = {
+            n: o["metadata"]["annotations"][f"podnet.metaroce.io/{PN_NETWORK}"]
+            for n, o in node_objs.items()
+        }
+        assert len(set(blocks.values())) == 2, blocks
+        nad = json.loads(
+            kube.kubectl(
+                "get", "network-attachment-definitions.k8s.cni.cncf.io",
+                f"metaroce-{PN_NETWORK}", "-n", NAMESPACE, "-o", "json",
+            ).stdout
+        )  # fmt: skip
+        assert not (nad.get("spec") or {}).get("config"), nad
+        for g, n in zip(real.guests, nodes, strict=False):
+            written = json.loads(g.run(f"cat {conf}", check=True).stdout)
+            assert written["type"] == "macvlan" and written["master"] == "eth0", written
+            ipam = written["ipam"]["ranges"][0][0]
+            assert ipam["subnet"] == PN_SUBNET, written
+            assert ipam["rangeStart"].rsplit(".", 1)[0] == blocks[n].rsplit(".", 1)[0]
+
+        kube.kubectl("create", "namespace", PN_POD_NAMESPACE, check=False)
+        names = ("pn-a", "pn-b")
+        docs = []
+        for name, node in zip(names, nodes, strict=True):
+            doc = _training_pod(name, node, kube.test_image)
+            doc["metadata"]["namespace"] = PN_POD_NAMESPACE
+            doc["metadata"]["annotations"] = {constants.NETWORKS_ANNOTATION: PN_NETWORK}
+            docs.append(doc)
+        kube.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
+
+        def get(name: str) -> dict[str, Any]:
+            out = kube.kubectl("get", "pod", name, "-n", PN_POD_NAMESPACE, "-o", "json").stdout
+            return dict(json.loads(out))
+
+        def run(name: str, script: str) -> str:
+            return kube.kubectl(
+                "exec", "-n", PN_POD_NAMESPACE, name, "--", "sh", "-c", script, timeout=120
+            ).stdout
+
+        took = _wait("both podnet pods Ready", lambda: all(_ready(get(n)) for n in names), 240, 1)
+        figures.append(f"podNetwork macvlan: both pods Ready {took:.1f} s after create")
+        pods = {n: get(n) for n in names}
+        ips = (_mr0(pods["pn-a"]), _mr0(pods["pn-b"]))
+        for name, node, ip in zip(names, nodes, ips, strict=True):
+            # the cluster network still comes first, through Multus's default delegate
+            assert pods[name]["status"]["podIP"].startswith("10.244."), pods[name]["status"]
+            ann = pods[name]["metadata"]["annotations"]
+            assert ann["k8s.v1.cni.cncf.io/networks"] == (
+                f"{NAMESPACE}/metaroce-{PN_NETWORK}@mr0"
+            ), ann
+            block = blocks[node]
+            assert ip.rsplit(".", 1)[0] == block.rsplit(".", 1)[0], (name, ip, block)
+            env = dict(line.split("=", 1) for line in run(name, "env").splitlines() if "=" in line)
+            assert env["FI_METAROCE_IFACE"] == "mr0" and env["MR_NCCL_IFNAME"] == "=mr0", env
+            assert run(name, "cat /sys/class/net/mr0/operstate").strip() in ("up", "unknown")
+        figures.append(f"podNetwork macvlan: mr0 {ips[0]} on {nodes[0]}, {ips[1]} on {nodes[1]}")
+        # a hostNetwork pod of the same network: no attachment, the transport binds the netdev
+        host = _training_pod("pn-host", nodes[0], kube.test_image)
+        host["metadata"]["namespace"] = PN_POD_NAMESPACE
+        host["metadata"]["annotations"] = {constants.NETWORKS_ANNOTATION: PN_NETWORK}
+        host["spec"]["hostNetwork"] = True
+        kube.kubectl("apply", "-f", "-", input=yaml.safe_dump(host))
+        _wait("the hostNetwork pod Ready", lambda: _ready(get("pn-host")), 240, 1)
+        assert "k8s.v1.cni.cncf.io/networks" not in get("pn-host")["metadata"]["annotations"]
+        env = dict(line.split("=", 1) for line in run("pn-host", "env").splitlines() if "=" in line)
+        assert env["FI_METAROCE_IFACE"] == "eth0" and env["MR_NCCL_IFNAME"] == "=eth0", env
+        kube.kubectl("delete", "pod", "pn-host", "-n", PN_POD_NAMESPACE, "--wait=false")
+
+        counters = (
+            "cat /sys/class/net/mr0/statistics/tx_bytes /sys/class/net/mr0/statistics/rx_bytes "
+            "/sys/class/net/eth0/statistics/tx_bytes /sys/class/net/eth0/statistics/rx_bytes"
+        )
+
+        def read(name: str) -> list[int]:
+            return [int(v) for v in run(name, counters).split()]
+
+        before = {n: read(n) for n in names}
+        result = pod_transport.pod_perf(
+            kube, PN_POD_NAMESPACE, names, ips, seconds=2, size=65536, port_range=MR_PORTS
+        )
+        after = {n: read(n) for n in names}
+        delta = {n: [a - b for a, b in zip(after[n], before[n], strict=True)] for n in names}
+        sent = result["bytes"]
+        figures.append(
+            f"podNetwork macvlan: metaroce-perf {result['goodput_mbit']} Mbit/s over mr0; "
+            f"client mr0 tx {delta['pn-a'][0]} B, eth0 tx {delta['pn-a'][2]} B; server mr0 "
+            f"rx {delta['pn-b'][1]} B, eth0 rx {delta['pn-b'][3]} B ({sent} B of payload)"
+        )
+        assert result["messages"] > 0 and sent > 0, result
+        # the payload crossed mr0 (the client sends it, the server receives it) ...
+        assert delta["pn-a"][0] >= sent and delta["pn-b"][1] >= sent, (delta, sent)
+        # ... and not the pod network's eth0 (kubectl exec does not use it)
+        assert delta["pn-a"][2] < sent // 10 and delta["pn-b"][3] < sent // 10, (delta, sent)
+        kube.kubectl("delete", "namespace", PN_POD_NAMESPACE, "--wait=true", timeout=240)
+    finally:
+        kube.kubectl("delete", "namespace", PN_POD_NAMESPACE, "--ignore-not-found", check=False)
+        kube.kubectl(
+            "delete", "metarocenetwork", PN_NETWORK, "--ignore-not-found", "--wait=true",
+            timeout=300, check=False,
+        )  # fmt: skip
+    # cleanupOnDelete: the agents removed the nodes' CNI configuration, the operator the
+    # blocks and the garbage collector the NAD
+    for g in real.guests[:2]:
+        assert g.run(f"test -e {conf}").returncode != 0, g.name
+
+    def blocks_gone() -> bool:
+        out = kube.kubectl("get", "nodes", "-o", "json").stdout
+        return not any(
+            f"podnet.metaroce.io/{PN_NETWORK}" in (n["metadata"].get("annotations") or {})
+            for n in json.loads(out)["items"]
+        )
+
+    _wait("the nodes' pod blocks removed", blocks_gone, 60)

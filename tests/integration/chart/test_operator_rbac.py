@@ -263,3 +263,26 @@ def test_the_operator_sets_only_its_networks_node_labels_issue_15_4(installed: I
         )
         assert not ok, f"the operator could set the labels {labels}"
         assert "metaroce.io/agent-" in err, err
+
+
+def test_the_operator_sets_only_its_networks_pod_blocks_on_nodes_issue_14(
+    installed: Installed,
+) -> None:
+    """Issue 14: the operator records each node's block of a network's pod subnet as the
+    annotation `podnet.metaroce.io/<network>`; no other annotation."""
+    inst = installed
+    _policy_ready(inst)
+    for value in ("10.56.0.0/24", "10.56.1.0/24", None):
+        patch = {"metadata": {"annotations": {"podnet.metaroce.io/net": value}}}
+        ok, err = inst.as_operator(
+            "patch", "node", inst.node, "--type=merge", "-p", json.dumps(patch)
+        )
+        assert ok, err
+    for wrong in ({"metaroce.io/x": "1"}, {"node.alpha.kubernetes.io/ttl": "5"},
+                  {"podnet.metaroce.io/net": "10.56.0.0/24", "zone": "a"}):  # fmt: skip
+        patch = {"metadata": {"annotations": wrong}}
+        ok, err = inst.as_operator(
+            "patch", "node", inst.node, "--type=merge", "-p", json.dumps(patch)
+        )
+        assert not ok, f"the operator could set the annotations {wrong}"
+        assert "podnet.metaroce.io/" in err, err

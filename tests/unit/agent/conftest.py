@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -63,3 +64,30 @@ def fast_loop(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(loop, "POLL_SECONDS", 0.05, raising=False)
     monkeypatch.setattr(loop, "RETRY_BASE_SECONDS", 0.2, raising=False)
+
+
+# The real transport, for the metaroce driver's tests (test_agent_metaroce, _podnet).
+REPO = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(scope="session")
+def staged(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real transport, built and staged the way the agent image gets it."""
+    dest = tmp_path_factory.mktemp("image") / "transport"
+    res = subprocess.run(
+        ["bash", str(REPO / "hack/stage-transport.sh"), str(dest)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert res.returncode == 0, (
+        "hack/stage-transport.sh failed (the transport must build: run "
+        f"`bash hack/build-transport.sh`):\n{res.stderr[-2000:]}"
+    )
+    return dest
+
+
+@pytest.fixture
+def image(staged: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("METAROCE_TRANSPORT_DIR", str(staged))
+    return staged

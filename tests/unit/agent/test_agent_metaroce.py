@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import shutil
 import stat
-import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,29 +37,6 @@ from metaroce_agent.transport.softroce import SoftRoceDriver
 REPO = Path(__file__).resolve().parents[3]
 METAROCE = {"mode": "metaroce", "metaroce": {"portRange": {"first": 21000, "last": 21999}}}
 LOSSY = {"profile": "lossy"}
-
-
-@pytest.fixture(scope="session")
-def staged(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The real transport, built and staged the way the agent image gets it."""
-    dest = tmp_path_factory.mktemp("image") / "transport"
-    res = subprocess.run(
-        ["bash", str(REPO / "hack/stage-transport.sh"), str(dest)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert res.returncode == 0, (
-        "hack/stage-transport.sh failed (the transport must build: run "
-        f"`bash hack/build-transport.sh`):\n{res.stderr[-2000:]}"
-    )
-    return dest
-
-
-@pytest.fixture
-def image(staged: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("METAROCE_TRANSPORT_DIR", str(staged))
-    return staged
 
 
 @dataclass
