@@ -252,3 +252,56 @@ def test_revert_in_its_own_pid_namespace_sees_a_job_holding_the_link(node1: Any)
         assert_reverted(node_state(g), "revert after the job ended")
     finally:
         clean(g)
+
+
+MARKING = r"""
+import json, subprocess
+from metaroce_agent.qos.tcmark import marking_of
+out = subprocess.run(["tc", "-j", "filter", "show", "dev", "eth0", "egress"],
+                     capture_output=True, text=True, check=True).stdout
+print(sorted({t for e in json.loads(out or "[]") if (t := marking_of(e)[0]) is not None}))
+"""
+
+
+def test_a_step_failing_on_its_second_and_later_passes_keeps_the_last_verified_state(
+    node1: Any,
+) -> None:
+    """A long-running agent whose rdma_cm ToS step applies once (DSCP 26) and then fails
+    on every later pass (`apply.step.roce-tos=2:error`): the re-apply to DSCP 34 changes
+    the tc marking first, fails at the ToS, is retried with backoff, and every attempt
+    leaves the node as the last verified state had it (DSCP 26 in the tc filter and in
+    rdma_cm, one link, one filter), never the pre-agent state and never half of 34
+    (finding 1 and "Faults on the real guests")."""
+    g = node1
+    clean(g)
+    g.write_file("/tmp/marking.py", MARKING)
+    g.write_file(CONFIG, config(26))
+    agent = g.start(
+        f"exec {AGENT} >{LOG} 2>&1",
+        env={"METAROCE_FAILPOINTS": "apply.step.roce-tos=2:error"},
+    )
+    try:
+
+        def wait_log(text: str, what: str) -> None:
+            deadline = time.monotonic() + 240
+            while time.monotonic() < deadline:
+                if text in sh(g, f"cat {LOG}"):
+                    return
+                time.sleep(1)
+            raise AssertionError(f"{what}: {text!r} never logged:\n{sh(g, f'tail -n 40 {LOG}')}")
+
+        wait_log("apply: ", "first apply")  # "apply: N steps in S s": verified and journaled
+        assert_applied(node_state(g), 26, "first apply")
+        g.write_file(CONFIG, config(34))
+        # the failed re-apply and, after the backoff (5 s), a second failed attempt
+        wait_log("attempt 2 failed", "re-apply to 34")
+        st = node_state(g)
+        assert_applied(st, 26, "after two failed re-applies to 34")
+        assert sh(g, "python3 /tmp/marking.py").strip() == "[104]", sh(g, f"tail -n 40 {LOG}")
+        log = sh(g, f"cat {LOG}")
+        assert log.count("apply: ") == 1, f"only the first pass may succeed:\n{log}"
+        assert "failpoint apply.step.roce-tos (hit 2" in log, log
+        assert re.search(r"\] apply dscp-mark on eth0 = dscp 34", log), log  # tc went first
+    finally:
+        agent.kill()
+        clean(g)
