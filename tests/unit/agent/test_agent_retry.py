@@ -106,6 +106,7 @@ def test_a_failed_report_is_written_again_without_waiting_for_the_next_pass(
     )
     writer = _FlakyWriter(failures=2)
     agent.writer = writer  # type: ignore[assignment]
+    agent.options.watch = False  # a writer without an apiserver: nothing to watch
     with running(agent) as a:
         assert until(lambda: "Ready" in writer.written, 5), (writer.written, writer.failures)
         assert a.report_retry_at is None
