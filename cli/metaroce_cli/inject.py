@@ -26,7 +26,13 @@ from metaroce_api.constants import (
 )
 from metaroce_cli.cluster import connect
 from metaroce_operator.webhooks.cache import view_of
-from metaroce_operator.webhooks.mutate import Allowed, Namespace, NetworkView, mutate_pod
+from metaroce_operator.webhooks.mutate import (
+    DEFAULT_ATTACHMENT_NAMESPACE,
+    Allowed,
+    Namespace,
+    NetworkView,
+    mutate_pod,
+)
 
 
 class InputError(ValueError):
@@ -74,6 +80,7 @@ def dry_run(
     *,
     check_pod_security: bool = True,
     default_pod_security: str = "privileged",
+    attachment_namespace: str = DEFAULT_ATTACHMENT_NAMESPACE,
 ) -> tuple[int, str, list[str]]:
     """(exit code, stdout, stderr lines) of one dry run; the webhook's decision, unchanged."""
     decision = mutate_pod(
@@ -82,6 +89,7 @@ def dry_run(
         namespace,
         check_pod_security=check_pod_security,
         default_pod_security=default_pod_security,
+        attachment_namespace=attachment_namespace,
     )
     if not isinstance(decision, Allowed):
         return 1, "", [f"the webhook would refuse the pod: {decision.message}"]
@@ -117,6 +125,12 @@ def main(argv: Sequence[str]) -> int:
         default="privileged",
         help="the cluster's default Pod Security enforce level (the webhook's setting)",
     )
+    p.add_argument(
+        "--agents-namespace",
+        default=DEFAULT_ATTACHMENT_NAMESPACE,
+        help="the release's namespace, where the networks' NetworkAttachmentDefinitions are "
+        f"(the webhook's setting; default {DEFAULT_ATTACHMENT_NAMESPACE})",
+    )
     args = p.parse_args(list(argv))
     if not args.dry_run:
         print(
@@ -139,6 +153,7 @@ def main(argv: Sequence[str]) -> int:
         views,
         Namespace(namespace, labels),
         default_pod_security=args.default_pod_security,
+        attachment_namespace=args.agents_namespace,
     )
     if args.network:
         notes.append(

@@ -221,3 +221,33 @@ def test_the_readme_training_job_gets_what_the_readme_says(nics: int | None) -> 
     ]
     assert sorted(DEVICE_ENV) == ["NCCL_IB_GID_INDEX", "NCCL_IB_HCA"]
     assert "the agent's device plugin sets them when the containers start" in readme
+
+
+def test_inject_names_the_attachment_in_the_agents_namespace_it_is_given(
+    offline: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A release outside metaroce-system: the dry run's Multus entry names the NAD where
+    the operator renders it (`--agents-namespace`, the webhook's own setting)."""
+    net = {
+        "apiVersion": "metaroce.io/v1alpha1",
+        "kind": "MetaRoceNetwork",
+        "metadata": {"name": "mr"},
+        "spec": {
+            "nics": {"interfaceNames": ["eth1"]},
+            "transport": {"mode": "metaroce"},
+            "qos": {"profile": "lossy"},
+            "attachment": {"podNetwork": {"subnet": "10.56.0.0/16"}},
+        },
+    }
+    nets = tmp_path / "net.yaml"
+    nets.write_text(yaml.safe_dump(net))
+    f = tmp_path / "pod.yaml"
+    f.write_text(yaml.safe_dump(pod()))
+    argv = ["inject", "--dry-run", "-f", str(f), "--networks-file", str(nets), "--network", "mr"]
+    for extra, ref in (
+        ([], "metaroce-system/metaroce-mr@mr0"),
+        (["--agents-namespace", "rdma"], "rdma/metaroce-mr@mr0"),
+    ):
+        assert metaroce([*argv, *extra]) == 0
+        out = capsys.readouterr().out
+        assert ref in out, out
