@@ -155,7 +155,21 @@ class EgressMarkStep(Step):
     def apply(self, host: Host) -> None:
         # `replace` with the agent's pref and handle is idempotent; a foreign filter at the
         # same pref is caught by the read-back (and the rollback deletes only ours).
+        mine, _ = self._ours(host)
+        held = mine.get("protocol") if mine else None
+        if held is not None and held != self._proto():
+            # the address family changed: a pref holds filters of one protocol, and the
+            # kernel refuses a replace of another, so ours of the old family goes first
+            self._delete(host, str(held))
         host.run(self.command())
+
+    def _delete(self, host: Host, protocol: str) -> None:
+        host.run(
+            [
+                "tc", "filter", "del", "dev", self.device, "egress", "protocol", protocol,
+                "pref", str(self.pref), "handle", hex(FILTER_HANDLE), "flower",
+            ]
+        )  # fmt: skip
 
     def verify(self, host: Host) -> str | None:
         mine, others = self._ours(host)
@@ -193,12 +207,7 @@ class EgressMarkStep(Step):
         mine, _ = self._ours(host)
         if mine is None:
             return
-        host.run(
-            [
-                "tc", "filter", "del", "dev", self.device, "egress", "protocol", self._proto(),
-                "pref", str(self.pref), "handle", hex(FILTER_HANDLE), "flower",
-            ]
-        )  # fmt: skip
+        self._delete(host, str(mine.get("protocol") or self._proto()))
 
 
 @dataclass(frozen=True)

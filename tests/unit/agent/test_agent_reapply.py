@@ -109,3 +109,21 @@ def test_failed_reapply_keeps_steps_the_new_config_drops(node) -> None:  # type:
     n.host.unwritable.discard(TOS)
     assert Engine(n.host, Journal(n.host, cfg.network)).apply(plan_for(n, cfg2)).ok
     assert n.host.read("/sys/class/net/eth0/mtu") == "1500"  # dropped after success
+
+
+def test_an_address_family_change_moves_the_marking_filter_to_the_other_protocol(  # type: ignore[no-untyped-def]
+    node,
+) -> None:
+    """roce.addressFamily ipv4 -> ipv6 and back on a marked node: a tc pref holds filters
+    of one protocol, so `tc filter replace ... protocol ipv6` at the IPv4 filter's pref is
+    refused (seen on the guests: "Filter with specified priority/protocol not found", every
+    retry). The step takes its own filter of the other family off first."""
+    n = node(softroce_node)
+    v4 = softroce_cfg()
+    assert Engine(n.host, Journal(n.host, v4.network)).apply(plan_for(n, v4)).ok
+    v6 = softroce_cfg(transport={"roce": {"addressFamily": "ipv6"}})
+    for cfg, protocol in ((v6, "ipv6"), (v4, "ip")):
+        result = Engine(n.host, Journal(n.host, cfg.network)).apply(plan_for(n, cfg))
+        assert result.ok, result.error
+        table = n.kernel.tc_filters[("eth0", "egress")]
+        assert [e["protocol"] for e in table.values()] == [protocol], table
