@@ -20,7 +20,13 @@ from collections.abc import Callable, Mapping
 from metaroce_api import InvalidObject, MetaRoceNetwork, parse_duration, validate_network
 from metaroce_api import constants as c
 from metaroce_api.failpoints import failpoint
-from metaroce_api.podnet import BLOCK_ANNOTATION_PREFIX, block_annotation
+from metaroce_api.podnet import (
+    BLOCK_ANNOTATION_PREFIX,
+    NAD_API_VERSION,
+    NAD_KIND,
+    block_annotation,
+    nad_name,
+)
 from metaroce_operator import cleanup, metrics, probes, taints, upgrade
 from metaroce_operator.claim import Claimer
 from metaroce_operator.conflicts import created_order, find_conflicts
@@ -43,6 +49,7 @@ POD = KINDS[("v1", "Pod")]
 CLUSTERROLE = KINDS[("rbac.authorization.k8s.io/v1", "ClusterRole")]
 DAEMONSET = KINDS[("apps/v1", "DaemonSet")]
 CONTROLLER_REVISION = KINDS[("apps/v1", "ControllerRevision")]
+NAD = KINDS[(NAD_API_VERSION, NAD_KIND)]
 
 
 class NodePass:
@@ -219,6 +226,7 @@ class NodePass:
             await self._set_node_annotation(node, key, value)
             if value is not None:
                 log.info("%s: node %s gets the pod block %s", name, node, value)
+        await self._nad_present(name)
         problem = None
         if plan.unassigned:
             problem = (
@@ -232,6 +240,16 @@ class NodePass:
                 self.store.nodes.pod_blocks[name] = problem
                 log.warning("%s: %s", name, problem[1])
             self.mark(name)
+
+    async def _nad_present(self, name: str) -> None:
+        """The network's NetworkAttachmentDefinition is a child no informer watches (its
+        kind is served only where Multus is installed): one read per pass puts back one
+        deleted by hand, as the informers do for the other children."""
+        if not self.store.children.known(name):
+            return  # not applied in this term yet: the reconcile makes it
+        namespace = self.settings.render.namespace
+        if await self.kube.get_or_none(NAD, nad_name(name), namespace) is None:
+            self.reconcile_later(name, "its NetworkAttachmentDefinition is gone")
 
     async def _remove_orphaned_blocks(self, live_networks: set[str]) -> None:
         """Pod-block annotations of networks that are gone."""

@@ -4,9 +4,10 @@ real control plane and the real operator process.
 Without Multus's NetworkAttachmentDefinition CRD the network says so (Ready False,
 MultusNotInstalled, naming the CRD) and nothing of it is applied; once the CRD is served
 (Multus's own, from the pinned module hack/build-multus.sh builds) the operator renders
-the network's NAD without spec.config, gives each node of the network its block of the
-subnet as a node annotation, mounts Multus's confDir into the agents, reports a subnet
-too small for the nodes as Degraded, and removes the blocks when the network goes."""
+the network's NAD without spec.config (and puts it back when it is deleted), gives each
+node of the network its block of the subnet as a node annotation, mounts Multus's confDir
+into the agents, reports a subnet too small for the nodes as Degraded, and removes the
+blocks when the network goes."""
 
 from __future__ import annotations
 
@@ -70,6 +71,14 @@ def test_pod_network_needs_multus_then_gets_a_nad_and_node_blocks(env: OperatorE
 
     want = {"kwok-a1": "10.56.0.0/24", "kwok-a2": "10.56.1.0/24"}
     wait_for("a block per node of the network", lambda: blocks(env, "pn") == want, timeout=60)
+
+    # the NAD deleted by hand comes back within a node pass (3 s here), not a restart
+    env.cluster.kubectl(
+        "delete", "network-attachment-definitions.k8s.cni.cncf.io", nad_name("pn"),
+        "-n", env.namespace,
+    )  # fmt: skip
+    back = wait_for("the NAD put back", lambda: nad(env, "pn"), timeout=30)
+    assert back["metadata"]["uid"] != created["metadata"]["uid"]
 
     # A subnet with one block for two nodes: the first keeps its block, Degraded says why
     env.cluster.kubectl(
