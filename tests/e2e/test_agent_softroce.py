@@ -15,7 +15,9 @@ One scenario, in order (each test builds on the node state the previous one left
 4. a knob changed by hand is repaired within one drift interval and counted;
 5. a step made to fail (a read-only mount over the rdma_cm configfs) rolls back what
    came before it and the NodeState names the step;
-6. deleting the network with cleanupOnDelete reverts both nodes: rxe links, tc filters
+6. with IPv4 taken off eth0 and IPv6 addresses given, the probe runs over RoCEv2 IPv6
+   GIDs, each agent publishes its IPv6 endpoint, and a changed address is published again;
+7. deleting the network with cleanupOnDelete reverts both nodes: rxe links, tc filters
    and configfs entries are gone and the NodeStates say `reverted`.
 """
 
@@ -27,6 +29,7 @@ import shlex
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -45,10 +48,10 @@ PROBE_KEY = "/tmp/probe-key"
 PROBE_KEY_TEXT = "e2e-probe-key-" + "5" * 32
 
 
-def network_manifest(dscp: int = 26, generation_hint: str = "") -> dict[str, Any]:
+def network_manifest(dscp: int = 26, address_family: str = "ipv4") -> dict[str, Any]:
     spec = {
         "nics": {"interfaceNames": ["eth0"]},
-        "transport": {"mode": "softroce"},
+        "transport": {"mode": "softroce", "roce": {"addressFamily": address_family}},
         "qos": {"profile": "lossless", "data": {"dscp": dscp, "priority": 3}},
         "health": {
             "probe": {
@@ -90,8 +93,8 @@ class Env:
         )
         return json.loads(proc.stdout) if proc.returncode == 0 else None
 
-    def apply_network(self, dscp: int) -> int:
-        body = network_manifest(dscp)
+    def apply_network(self, dscp: int, address_family: str = "ipv4") -> int:
+        body = network_manifest(dscp, address_family)
         MetaRoceNetwork.model_validate(body)  # the contract accepts it
         self.cluster.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(body))
         return int(self.network()["metadata"]["generation"])
@@ -356,6 +359,56 @@ def test_failed_step_rolls_back_and_is_reported(env: Env) -> None:
         env.run(1, "umount /sys/kernel/config/rdma_cm")
     env.start_agent(1)
     env.wait_nodestate(1, lambda n: ready(n, 2), "Ready again")
+
+
+V6 = "fd77::"
+
+
+def test_probe_between_ipv6_only_nodes_uses_and_republishes_their_v6_addresses(
+    env: Env,
+) -> None:
+    """Finding 9 on the real kernel: with no IPv4 address on the RDMA netdev, each agent
+    publishes `probe2://[<its IPv6 address>]:port` (never 0.0.0.0 or a link-local one),
+    the probe between the nodes passes over RoCEv2 IPv6 GIDs, and an address changed by
+    hand is published again within a drift interval or two."""
+    for i in (0, 1):
+        env.stop_agent(i)
+        env.run(i, f"ip -4 addr flush dev eth0 && ip -6 addr add {V6}{11 + i}/64 dev eth0 nodad")
+    generation = env.apply_network(dscp=34, address_family="ipv6")
+    for i in (0, 1):
+        env.start_agent(i)
+
+    def endpoint(ns: dict[str, Any]) -> str:
+        return str(
+            (ns["metadata"].get("annotations") or {}).get(constants.PROBE_ENDPOINT_ANNOTATION)
+        )
+
+    def probed_healthy(n: dict[str, Any]) -> bool:
+        probe = (n.get("status") or {}).get("probe") or {}
+        return ready(n, generation) and probe.get("healthy") is True
+
+    for i, peer in ((0, "node-2"), (1, "node-1")):
+        ns = env.wait_nodestate(i, probed_healthy, "Ready with a healthy IPv6 probe", timeout=240)
+        assert endpoint(ns) == f"probe2://[{V6}{11 + i}]:47911"
+        (p,) = ns["status"]["probe"]["peers"]
+        assert p["node"] == peer and p["reachable"] is True, p
+        print(f"probe over IPv6 {env.guests[i].name} -> {peer}: {p['message']}")
+    # node-1's address changes: the new one is published, and node-2 probes it there
+    env.run(0, f"ip -6 addr add {V6}21/64 dev eth0 nodad && ip -6 addr del {V6}11/64 dev eth0")
+    env.wait_nodestate(
+        0, lambda n: endpoint(n) == f"probe2://[{V6}21]:47911", "the new endpoint", timeout=90
+    )
+    since = datetime.now(UTC)
+
+    def probed_again(n: dict[str, Any]) -> bool:
+        """A probe round after the change reached node-1: only its new address answers."""
+        probe = (n.get("status") or {}).get("probe") or {}
+        when = probe.get("lastRunTime")
+        peers = probe.get("peers") or [{}]
+        fresh = bool(when) and datetime.fromisoformat(str(when)) > since
+        return fresh and peers[0].get("reachable") is True
+
+    env.wait_nodestate(1, probed_again, "node-1 probed at its new address", timeout=120)
 
 
 def test_delete_with_cleanup_reverts_both_nodes(env: Env) -> None:
