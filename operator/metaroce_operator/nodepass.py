@@ -261,19 +261,19 @@ class NodePass:
                     log.info("removed the pod block %s of a deleted network from %s", key, node)
 
     async def _set_node_annotation(self, node: str, key: str, value: str | None) -> None:
-        patch = {"metadata": {"annotations": {key: value}}}
-        try:
-            await self.kube.patch(NODE, node, patch)
-        except ApiError as err:
-            if err.status != 404:  # a node deleted meanwhile has no annotation to keep
-                raise
+        await self._patch_node_metadata(node, "annotations", key, value)
 
     async def _set_node_label(self, node: str, label: str, value: str | None) -> None:
-        patch = {"metadata": {"labels": {label: value}}}
+        await self._patch_node_metadata(node, "labels", label, value)
+
+    async def _patch_node_metadata(
+        self, node: str, field: str, key: str, value: str | None
+    ) -> None:
+        """Set (or, with None, remove) one label or annotation of a node."""
         try:
-            await self.kube.patch(NODE, node, patch)
+            await self.kube.patch(NODE, node, {"metadata": {field: {key: value}}})
         except ApiError as err:
-            if err.status != 404:  # a node deleted meanwhile has no label to keep
+            if err.status != 404:  # a node deleted meanwhile has nothing to keep
                 raise
 
     async def _remove_orphaned_labels(self, live_networks: set[str]) -> None:
