@@ -33,6 +33,8 @@ from typing import Any
 
 import pytest
 
+from metaroce_harness.polling import wait_for
+
 pytestmark = pytest.mark.e2e
 
 NETWORK = "faults"
@@ -283,12 +285,10 @@ def test_a_step_failing_on_its_second_and_later_passes_keeps_the_last_verified_s
     try:
 
         def wait_log(text: str, what: str) -> None:
-            deadline = time.monotonic() + 240
-            while time.monotonic() < deadline:
-                if text in sh(g, f"cat {LOG}"):
-                    return
-                time.sleep(1)
-            raise AssertionError(f"{what}: {text!r} never logged:\n{sh(g, f'tail -n 40 {LOG}')}")
+            try:
+                wait_for(f"{what}: {text!r} logged", lambda: text in sh(g, f"cat {LOG}"), 240, 1)
+            except AssertionError as e:
+                raise AssertionError(f"{e}:\n{sh(g, f'tail -n 40 {LOG}')}") from None
 
         wait_log("apply: ", "first apply")  # "apply: N steps in S s": verified and journaled
         assert_applied(node_state(g), 26, "first apply")
