@@ -14,13 +14,18 @@ ECMP, a control link), the same nftables rules for every arm:
             per GB of the two fi_pingpong processes (getrusage) and of softirq (/proc/stat)
   allreduce Open MPI (pml cm, mtl ofi, 2 ranks per namespace) median and p99 per size,
             1 KiB..64 MiB, data checked, at 0 and 1 % loss (and --allreduce-losses)
+  rounds    --rounds N repeats capacity and the goodput conditions N times, interleaved
+            (this 2-core host swings 0.65-1.0 between single runs minutes apart): the
+            tables show each cell's median run, and a last table every round's ratios
+            (to its own lossless run and to its own capacity) with their median
 Every client runs under a timeout: a stalled arm is reported as stalled, never hangs.
 Prints tables with the load average, writes JSON and an SVG goodput-vs-loss plot.
 
     flock /tmp/metaroce-heavy.lock python3 bench/transport_loss.py [--quick]
         [--arms udp,tcp[,metaroce]] [--losses 0,0.1,1,3,10] [--no-bursty]
         [--metaroce-provider-path DIR] [--metaroce-perf-server CMD --metaroce-perf-client CMD]
-        [--json PATH] [--svg PATH] [--allreduce-idle-timeout 200]
+        [--json PATH] [--svg PATH] [--allreduce-idle-timeout 200] [--rounds N]
+        [--allreduce-losses 0,1 | --allreduce-losses none]
 Run as root (network namespaces). Python 3.11 standard library only.
 """
 
@@ -29,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -343,7 +349,10 @@ def main() -> int:
         help="a lossy run is stalled past this many times its lossless time",
     )
     ap.add_argument("--mpi-bw-seconds", type=float)
-    ap.add_argument("--allreduce-losses", default="0,1")
+    ap.add_argument("--allreduce-losses", default="0,1", help="percent, comma list, or none")
+    ap.add_argument(
+        "--rounds", type=int, default=1, help="capacity and goodput runs, repeated (medians)"
+    )
     ap.add_argument("--allreduce-budget", type=float, help="seconds of iterations per size")
     ap.add_argument(
         "--allreduce-ranks-per-ns",
@@ -376,7 +385,13 @@ def main() -> int:
     bw_seconds = args.mpi_bw_seconds or (2.0 if q else 5.0)
     ar_budget = args.allreduce_budget or (0.3 if q else 1.0)
     ar_idle = args.allreduce_idle_timeout or (60.0 if q else 200.0)
-    ar_losses = [float(x) for x in args.allreduce_losses.split(",")]
+    ar_losses = (
+        []
+        if args.allreduce_losses == "none"
+        else [float(x) for x in args.allreduce_losses.split(",")]
+    )
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds {args.rounds}: at least 1")
     sizes = SIZES_QUICK if q else SIZES_FULL
     arms: dict[str, str] = {}
     for a in args.arms.split(","):
@@ -403,19 +418,10 @@ def main() -> int:
 
     with fabric.MultipathFabric(name=fabric.new_name("mrfb")) as fab:
         report["fabric"] = fab.describe()
-        cap = fab.capacity(seconds=2.0 if q else 5.0)
-        report["capacity"] = cap
-        capacity = cap["total_mbit"]
         print(
             f"fabric {fab.name}: {fab.links} x {fab.rate_mbit} Mbit/s tbf (burst "
             f"{fabric.LINK_BURST_BYTES} B, limit {fabric.LINK_LIMIT_BYTES} B), L4 ECMP"
         )
-        print(
-            f"capacity (4 UDP floods, received payload): {capacity:.1f} Mbit/s "
-            f"({', '.join(f'{d} {v:.1f}' for d, v in cap['per_link_mbit'].items())}); "
-            f"load {loadavg()}"
-        )
-
         # calibrate fi_pingpong iterations per arm so the lossless run lasts ~pp_seconds
         iters: dict[str, int] = {}
         for a, prov in arms.items():
@@ -427,33 +433,25 @@ def main() -> int:
             iters[a] = max(3, min(2000, round(pp_seconds / max(per_iter, 1e-3))))
         report["pingpong"] = {"size": args.pingpong_size, "iters": iters}
 
-        results: dict[str, dict[str, Any]] = {a: {} for a in arms}
-        lossless_s: dict[str, float] = {}
-        for label, imps in conds:
-            for a, prov in arms.items():
-                fab.set_impairments(imps)
-                timeout = (
-                    60.0 if not lossless_s.get(a) else max(30.0, args.stall_factor * lossless_s[a])
-                )
-                pp = pingpong(fab, prov, args.pingpong_size, iters[a], timeout, path_of[a])
-                if label == "0%" and pp["ok"]:
-                    lossless_s[a] = pp["seconds"]
-                bw = mpi_bandwidth(fab, prov, bw_seconds, path_of[a])
-                row: dict[str, Any] = {"pingpong": pp, "mpi_bw": bw}
-                if a == "metaroce" and args.metaroce_perf_server and args.metaroce_perf_client:
-                    row["perf"] = perf_arm(
-                        fab, args.metaroce_perf_server, args.metaroce_perf_client, bw_seconds
-                    )
-                row["loadavg"] = loadavg()
-                results[a][label] = row
-                print(
-                    f"  {a:8} {label:>10}: pingpong {pp['goodput_mbit']:7.1f} Mbit/s"
-                    f" {state(pp)}, mpi stream {bw.get('mbit_s', 0.0):7.1f} Mbit/s"
-                    f" {state(bw)}; load {row['loadavg']}",
-                    flush=True,
-                )
+        rounds: list[dict[str, Any]] = []
+        for r in range(args.rounds):
+            if args.rounds > 1:
+                print(f"round {r + 1} of {args.rounds}; load {loadavg()}", flush=True)
+            fab.set_impairments([])
+            cap = fab.capacity(seconds=2.0 if q else 5.0)
+            print(
+                f"capacity (4 UDP floods, received payload): {cap['total_mbit']:.1f} Mbit/s "
+                f"({', '.join(f'{d} {v:.1f}' for d, v in cap['per_link_mbit'].items())}); "
+                f"load {loadavg()}",
+                flush=True,
+            )
+            results = goodput_round(fab, arms, path_of, conds, args, iters, pp_seconds, bw_seconds)
+            rounds.append({"capacity": cap, "goodput": results})
         fab.set_impairments([])
-        report["goodput"] = results
+        report["rounds"] = rounds
+        report["capacity"] = median_capacity(rounds)
+        capacity = report["capacity"]["total_mbit"]
+        report["goodput"] = median_cells(rounds, arms, conds)
 
         ar: dict[str, dict[str, Any]] = {a: {} for a in arms}
         for pct in ar_losses:
@@ -480,6 +478,8 @@ def main() -> int:
     report["loadavg_end"] = loadavg()
 
     print_tables(report, arms, conds, capacity, sizes)
+    if len(report["rounds"]) > 1:
+        round_ratios(report, arms, conds)
     Path(args.json).write_text(json.dumps(report, indent=1, default=str))
     labels = [c[0] for c in conds]
     series: dict[str, list[float | None]] = {}
@@ -499,6 +499,114 @@ def main() -> int:
     )
     print(f"\nJSON: {args.json}   plot: {args.svg}")
     return 0
+
+
+def goodput_round(
+    fab: fabric.MultipathFabric,
+    arms: dict[str, str],
+    path_of: dict[str, str | None],
+    conds: list[tuple[str, list[fabric.Impairment]]],
+    args: argparse.Namespace,
+    iters: dict[str, int],
+    pp_seconds: float,
+    bw_seconds: float,
+) -> dict[str, dict[str, Any]]:
+    """Every condition for every arm once: {arm: {loss label: row}}."""
+    results: dict[str, dict[str, Any]] = {a: {} for a in arms}
+    lossless_s: dict[str, float] = {}
+    for label, imps in conds:
+        for a, prov in arms.items():
+            fab.set_impairments(imps)
+            timeout = (
+                60.0 if not lossless_s.get(a) else max(30.0, args.stall_factor * lossless_s[a])
+            )
+            pp = pingpong(fab, prov, args.pingpong_size, iters[a], timeout, path_of[a])
+            if label == "0%" and pp["ok"]:
+                lossless_s[a] = pp["seconds"]
+            bw = mpi_bandwidth(fab, prov, bw_seconds, path_of[a])
+            row: dict[str, Any] = {"pingpong": pp, "mpi_bw": bw}
+            if a == "metaroce" and args.metaroce_perf_server and args.metaroce_perf_client:
+                row["perf"] = perf_arm(
+                    fab, args.metaroce_perf_server, args.metaroce_perf_client, bw_seconds
+                )
+            row["loadavg"] = loadavg()
+            results[a][label] = row
+            perf = f", metaroce-perf {row['perf']['goodput_mbit']:7.1f}" if "perf" in row else ""
+            print(
+                f"  {a:8} {label:>10}: pingpong {pp['goodput_mbit']:7.1f} Mbit/s"
+                f" {state(pp)}, mpi stream {bw.get('mbit_s', 0.0):7.1f} Mbit/s"
+                f" {state(bw)}{perf}; load {row['loadavg']}",
+                flush=True,
+            )
+    return results
+
+
+def median_capacity(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The round whose capacity is the median (the lower middle of an even count)."""
+    ordered = sorted(rounds, key=lambda r: float(r["capacity"]["total_mbit"]))
+    return dict(ordered[(len(ordered) - 1) // 2]["capacity"])
+
+
+def median_of(rows: list[dict[str, Any]], key: str, field: str) -> dict[str, Any]:
+    """The row of `rows` whose `row[key][field]` is the median (lower middle)."""
+    ordered = sorted(rows, key=lambda x: float(x[key].get(field) or 0.0))
+    return dict(ordered[(len(ordered) - 1) // 2])
+
+
+def median_cells(
+    rounds: list[dict[str, Any]],
+    arms: dict[str, str],
+    conds: list[tuple[str, list[fabric.Impairment]]],
+) -> dict[str, dict[str, Any]]:
+    """Per arm and loss, the round whose fi_pingpong goodput is the median; with the
+    MPI stream's and metaroce-perf's medians put in its place (each tool's own)."""
+    out: dict[str, dict[str, Any]] = {a: {} for a in arms}
+    for a in arms:
+        for label, _ in conds:
+            rows = [r["goodput"][a][label] for r in rounds]
+            cell = median_of(rows, "pingpong", "goodput_mbit")
+            cell["mpi_bw"] = median_of(rows, "mpi_bw", "mbit_s")["mpi_bw"]
+            if all("perf" in x for x in rows):
+                cell["perf"] = median_of(rows, "perf", "goodput_mbit")["perf"]
+            out[a][label] = cell
+    return out
+
+
+TOOLS = [("pingpong", "goodput_mbit"), ("mpi_bw", "mbit_s"), ("perf", "goodput_mbit")]
+
+
+def tool_goodput(rnd: dict[str, Any], arm: str, label: str, key: str, field: str) -> float:
+    return float(rnd["goodput"][arm][label][key].get(field) or 0.0)
+
+
+def round_ratios(
+    report: dict[str, Any], arms: dict[str, str], conds: list[tuple[str, list[fabric.Impairment]]]
+) -> None:
+    """Each round's ratios to its own lossless run and its own capacity, and their
+    medians: the figures to judge by on a host whose single runs swing."""
+    rounds = report["rounds"]
+    print(f"\n== {len(rounds)} rounds: ratio per round (median) to the round's own lossless run")
+    for a in arms:
+        for key, field in TOOLS:
+            if not all(key in r["goodput"][a]["0%"] for r in rounds):
+                continue
+            base = [tool_goodput(r, a, "0%", key, field) for r in rounds]
+            caps = [
+                b / float(r["capacity"]["total_mbit"]) for b, r in zip(base, rounds, strict=True)
+            ]
+            cells = [f"lossless/cap {fmt_list(caps)}"]
+            for label, _ in conds:
+                if label != "0%":
+                    own = [
+                        tool_goodput(r, a, label, key, field) / b if b else 0.0
+                        for b, r in zip(base, rounds, strict=True)
+                    ]
+                    cells.append(f"{label} {fmt_list(own)}")
+            print(f"{a:9}{key:>9}: " + "; ".join(cells))
+
+
+def fmt_list(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.3f} ({' '.join(f'{x:.2f}' for x in xs)})"
 
 
 def print_tables(
