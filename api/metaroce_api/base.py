@@ -206,28 +206,15 @@ def _module_attribute_docs(module: str) -> dict[str, dict[str, str]]:
 
 
 def _describe_fields(cls: type[BaseModel], target: JsonSchemaValue) -> None:
-    """Give each property without a description its field's docstring, in the place
-    and key order pydantic's `use_attribute_docstrings` put it."""
+    """Give each property without a description its field's docstring."""
     props = target.get("properties")
     if not isinstance(props, dict):
         return
     docs = attribute_docs(cls)
     for name, info in cls.model_fields.items():
-        key = info.alias if info.alias in props else name
-        prop = props.get(key)
-        if name in docs and isinstance(prop, dict) and "description" not in prop:
-            props[key] = _with_description(prop, docs[name])
-
-
-def _with_description(prop: dict[str, Any], text: str) -> dict[str, Any]:
-    # pydantic sets a field's description before its default and examples
-    out: dict[str, Any] = {}
-    for k, v in prop.items():
-        if k in ("default", "examples") and "description" not in out:
-            out["description"] = text
-        out[k] = v
-    out.setdefault("description", text)
-    return out
+        prop = props.get(info.alias if info.alias in props else name)
+        if name in docs and isinstance(prop, dict):
+            prop.setdefault("description", docs[name])
 
 
 @dataclass(frozen=True)

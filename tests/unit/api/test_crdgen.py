@@ -330,3 +330,10 @@ def test_field_docstrings_become_descriptions_only_when_a_schema_is_made() -> No
     for name, text in docs.items():
         info = QosSpec.model_fields[name]
         assert schema["properties"][info.alias or name]["description"] == text
+
+    class Derived(QosSpec):  # not at module level: its docs are all inherited
+        pass
+
+    assert attribute_docs(Derived) == attribute_docs(QosSpec)
+    derived = Derived.model_json_schema(by_alias=True)["properties"]
+    assert all(derived[QosSpec.model_fields[n].alias or n]["description"] for n in docs)
