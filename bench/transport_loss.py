@@ -445,11 +445,11 @@ def main() -> int:
                 f"load {loadavg()}",
                 flush=True,
             )
-            results = goodput_round(fab, arms, path_of, conds, args, iters, pp_seconds, bw_seconds)
+            results = goodput_round(fab, arms, path_of, conds, args, iters, bw_seconds)
             rounds.append({"capacity": cap, "goodput": results})
         fab.set_impairments([])
         report["rounds"] = rounds
-        report["capacity"] = median_capacity(rounds)
+        report["capacity"] = median_of(rounds, "capacity", "total_mbit")["capacity"]
         capacity = report["capacity"]["total_mbit"]
         report["goodput"] = median_cells(rounds, arms, conds)
 
@@ -508,7 +508,6 @@ def goodput_round(
     conds: list[tuple[str, list[fabric.Impairment]]],
     args: argparse.Namespace,
     iters: dict[str, int],
-    pp_seconds: float,
     bw_seconds: float,
 ) -> dict[str, dict[str, Any]]:
     """Every condition for every arm once: {arm: {loss label: row}}."""
@@ -539,12 +538,6 @@ def goodput_round(
                 flush=True,
             )
     return results
-
-
-def median_capacity(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    """The round whose capacity is the median (the lower middle of an even count)."""
-    ordered = sorted(rounds, key=lambda r: float(r["capacity"]["total_mbit"]))
-    return dict(ordered[(len(ordered) - 1) // 2]["capacity"])
 
 
 def median_of(rows: list[dict[str, Any]], key: str, field: str) -> dict[str, Any]:
