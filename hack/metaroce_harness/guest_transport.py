@@ -17,11 +17,13 @@ and delay on both guests (both directions: data and ACKs), or, on the sender's e
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
 import subprocess
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,6 +81,10 @@ def stage_perf(release: Path | None = None) -> Path:
 
 
 # --- impairments ---------------------------------------------------------------------
+
+NETEM_DELAY_MS = 1.0
+"""The delay of both arms of a loss comparison: the lossless arm has it too, so the
+ratio isolates the loss."""
 
 
 def clear_qdisc(guest: Guest, dev: str = "eth0") -> None:
@@ -140,6 +146,24 @@ def tune_socket_buffers(guest: Guest, size: int = 8 << 20) -> None:
     )
 
 
+@contextlib.contextmanager
+def socket_buffers(guests: Iterable[Guest], size: int = 8 << 20) -> Iterator[None]:
+    """``tune_socket_buffers`` on each guest for the block, the previous caps restored
+    after. net.core.{r,w}mem_max are not per network namespace: raised on the node, they
+    let pods' sockets have the buffers the library asks for too."""
+    saved: list[tuple[Guest, str]] = []
+    try:
+        for g in guests:
+            out = g.run("sysctl -n net.core.rmem_max net.core.wmem_max", timeout=30, check=True)
+            rmem, wmem = out.stdout.split()
+            saved.append((g, f"net.core.rmem_max={rmem} net.core.wmem_max={wmem}"))
+            tune_socket_buffers(g, size)
+        yield
+    finally:
+        for g, previous in saved:
+            g.run(f"sysctl -qw {previous}", timeout=30)
+
+
 # --- metaroce-perf -------------------------------------------------------------------
 
 
@@ -196,6 +220,20 @@ def metaroce_perf(
 
 
 # --- ib_write_bw over rxe ------------------------------------------------------------
+
+
+def hw_counters(guest: Guest, device: str = RXE) -> dict[str, int]:
+    """rxe's hw_counters of port 1 of ``device`` (sent_pkts, completer_retry_err, ...)."""
+    out = guest.run(
+        f"cd /sys/class/infiniband/{device}/ports/1/hw_counters && grep . *",
+        timeout=30,
+        check=True,
+    ).stdout
+    counters = {}
+    for line in out.splitlines():
+        name, _, value = line.partition(":")
+        counters[name] = int(value)
+    return counters
 
 
 def ensure_rxe(guest: Guest) -> None:

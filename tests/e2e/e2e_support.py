@@ -48,20 +48,6 @@ def set_default_roce_tos(guest: Guest, tos: int) -> None:
     assert result.stdout.strip() == str(tos), result.describe()
 
 
-def hw_counters(guest: Guest, device: str = RXE_DEV) -> dict[str, int]:
-    """rxe's hw_counters of port 1 of ``device`` (sent_pkts, completer_retry_err, ...)."""
-    out = guest.run(
-        f"cd /sys/class/infiniband/{device}/ports/1/hw_counters && grep . *",
-        timeout=30,
-        check=True,
-    ).stdout
-    counters = {}
-    for line in out.splitlines():
-        name, _, value = line.partition(":")
-        counters[name] = int(value)
-    return counters
-
-
 class Capture:
     """tcpdump of RoCE v2 (udp/4791) on a guest's eth0, summarised by pcap_summary.py."""
 

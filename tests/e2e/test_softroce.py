@@ -11,11 +11,11 @@ from e2e_support import (
     client_server,
     ensure_rxe,
     guest_program,
-    hw_counters,
     run_json,
     set_default_roce_tos,
 )
 
+from metaroce_harness.guest_transport import hw_counters
 from metaroce_harness.guests import Guest, GuestCluster
 
 pytestmark = pytest.mark.e2e

@@ -22,7 +22,6 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,37 +29,9 @@ import pytest
 
 from metaroce_harness.cluster import LocalCluster, ensure_binaries
 from metaroce_harness.nodes import APISERVER_ARGS, RealNodes, leftover_addresses
+from metaroce_harness.pods import Kube
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
-
-
-@dataclass
-class Kube:
-    """What the tests get: a kubeconfig, the nodes to use and how to run kubectl."""
-
-    kubeconfig: Path
-    nodes: list[str]
-    test_image: str
-    kubectl_bin: str
-    real_nodes: RealNodes | None = None  # only when this session made the cluster
-    timings: dict[str, float] = field(default_factory=dict)
-
-    def kubectl(
-        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 120.0
-    ) -> subprocess.CompletedProcess[str]:
-        proc = subprocess.run(
-            [self.kubectl_bin, f"--kubeconfig={self.kubeconfig}", *args],
-            input=input,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-        )
-        if check and proc.returncode != 0:
-            raise AssertionError(
-                f"kubectl {' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}"
-            )
-        return proc
 
 
 def _app_version() -> str:

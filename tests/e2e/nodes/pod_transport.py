@@ -13,18 +13,15 @@ same paths and MSS, so the ratio is the pod's network path and nothing else.
 from __future__ import annotations
 
 import json
-import re
-import selectors
-import statistics
 import subprocess
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
-from conftest import REPO_ROOT, Kube
+from conftest import REPO_ROOT
 
 from metaroce_harness.guest_transport import (
     BENCH_RXE_FLAGS,
+    NETEM_DELAY_MS,
     RXE,
     clear_qdisc,
     ensure_rxe,
@@ -32,24 +29,19 @@ from metaroce_harness.guest_transport import (
     load_average,
     metaroce_perf,
     set_netem,
+    socket_buffers,
     stage_perf,
 )
 from metaroce_harness.guests import Guest
-
-MR_BIN = "/opt/metaroce-transport/bin"
-SECONDS = 5.0
-SIZE = 64 << 10
-WINDOW = 32
-"""Kubelet, containerd and the agents share each node's one emulated CPU: seen 15-50
-Mbit/s between the pods, so a run of 1 MiB messages moved about ten of them and its
-figure was mostly slow start and tail. 64 KiB messages give hundreds per run."""
-NETEM_DELAY_MS = 1.0
-"""The lossless arm has the same delay, so the ratio isolates the loss."""
-SOCKET_BUFFERS = 8 << 20
-"""net.core.{r,w}mem_max are not per network namespace: raised on the node, they let the
-pods' sockets have the 8 MiB the library asks for (the guests' 208 KiB default drops
-bursts a slow TCG receiver leaves queued). Restored after."""
-
+from metaroce_harness.pods import (
+    MR_BIN,
+    PERF_SECONDS,
+    PERF_SIZE,
+    PERF_WINDOW,
+    Arms,
+    Kube,
+    pod_perf,
+)
 
 _RUN_FIELDS = (
     "packets_sent",
@@ -59,89 +51,6 @@ _RUN_FIELDS = (
     "spurious_rtos",
     "tlps",
 )
-
-
-def pod_perf(
-    kube: Kube,
-    namespace: str,
-    pods: tuple[str, str],
-    ips: tuple[str, str],
-    *,
-    seconds: float = SECONDS,
-    size: int = SIZE,
-    window: int = WINDOW,
-    port_range: tuple[int, int] | None = None,
-) -> dict[str, Any]:
-    """One metaroce-perf bandwidth run from ``pods[0]`` to ``pods[1]`` with each pod's
-    injected settings; the client's ``--json`` report."""
-    client, server = pods
-    srv = subprocess.Popen(
-        [kube.kubectl_bin, f"--kubeconfig={kube.kubeconfig}", "exec", "-n", namespace, server,
-         "--", "sh", "-c",
-         f"exec timeout {seconds + 120:.0f} {MR_BIN}/metaroce-perf server --once "
-         f'--config "$MR_CONFIG,addr={ips[1]},stats_dir=$MR_STATS_DIR"'],
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    try:
-        url = _listening_url(srv, 60)
-        if port_range is not None:
-            port = int(url.rsplit(":", 1)[1])
-            assert port_range[0] <= port <= port_range[1], (url, port_range)
-        out = kube.kubectl(
-            "exec", "-n", namespace, client, "--", "sh", "-c",
-            f"{MR_BIN}/metaroce-perf client {url} --mode bw --size {size} --window {window} "
-            f"--duration {seconds} --json "
-            f'--config "$MR_CONFIG,addr={ips[0]},stats_dir=$MR_STATS_DIR"',
-            timeout=seconds + 120,
-        ).stdout  # fmt: skip
-        srv.wait(60)
-        return dict(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        if srv.poll() is None:
-            srv.kill()
-        srv.wait()
-
-
-def _listening_url(srv: subprocess.Popen[str], timeout: float) -> str:
-    """The server's ``listening on udp://...`` line, or AssertionError with its output."""
-    assert srv.stdout is not None
-    seen = ""
-    deadline = time.monotonic() + timeout
-    with selectors.DefaultSelector() as sel:
-        sel.register(srv.stdout, selectors.EVENT_READ)
-        while time.monotonic() < deadline:
-            if not sel.select(timeout=1.0):
-                continue
-            line = srv.stdout.readline()
-            if not line:
-                break
-            seen += line
-            m = re.search(r"listening on (\S+)", line)
-            if m:
-                return m.group(1)
-    raise AssertionError(f"metaroce-perf server in the pod did not start: {seen[-2000:]!r}")
-
-
-@dataclass
-class Arms:
-    """Goodput (Gbit/s) of every run, by arm and netem loss."""
-
-    runs: dict[str, list[float]] = field(default_factory=dict)
-    reports: list[dict[str, Any]] = field(default_factory=list)
-    rxe_failures: int = 0
-
-    def add(self, arm: str, gbps: float) -> None:
-        self.runs.setdefault(arm, []).append(gbps)
-
-    def median(self, arm: str) -> float:
-        return statistics.median(self.runs[arm])
-
-    def paired_ratio(self, arm: str, base: str) -> float:
-        """The median of run-by-run ratios of two interleaved arms: the host's load drifts
-        within a run set (seen: one set of node runs 2.5-37 Mbit/s at load 4), and each pair
-        ran back to back under about the same load, so this is the steadier figure."""
-        pairs = zip(self.runs[arm], self.runs[base], strict=False)
-        return statistics.median(a / b if b > 0 else 0.0 for a, b in pairs)
 
 
 def measure(
@@ -157,61 +66,48 @@ def measure(
     rxe_runs: int = 2,
 ) -> Arms:
     """Interleaved runs: lossless (pod and node arms, rxe), then 1% netem loss (pod arm,
-    rxe). ``mr_config`` carries the network's paths and MSS into the node arm."""
+    rxe). ``mr_config`` carries the network's paths and MSS into the node arm. The
+    nodes' socket buffer caps are raised for the pods' sockets (``socket_buffers``)."""
     perf = stage_perf()
     arms = Arms()
-    saved = [_socket_buffers(g) for g in guests]
     had_rxe = [g.run(f"rdma link show {RXE}/1", timeout=30).returncode == 0 for g in guests]
     node_config = ",".join(
         kv for kv in mr_config.split(",") if kv.split("=", 1)[0] in ("paths", "mss")
     )
     try:
-        for g in guests:
-            g.run(
-                f"sysctl -qw net.core.rmem_max={SOCKET_BUFFERS} "
-                f"net.core.wmem_max={SOCKET_BUFFERS}",
-                timeout=30, check=True,
-            )  # fmt: skip
-            ensure_rxe(g)
-        for loss, runs in ((0.0, node_runs), (1.0, loss_runs)):
+        with socket_buffers(guests):
             for g in guests:
-                set_netem(g, loss, NETEM_DELAY_MS)
-            for i in range(runs):
-                report = pod_perf(kube, namespace, pods, ips)
-                arms.reports.append(report | {"arm": f"pod {loss:g}%"})
-                print(  # shown with -s: where each run's resends came from
-                    f"pod {loss:g}% run {i + 1}: {report['goodput_mbit']:.1f} Mbit/s, "
-                    + ", ".join(f"{k} {report[k]}" for k in _RUN_FIELDS),
-                    flush=True,
-                )
-                arms.add(f"pod {loss:g}%", float(report["goodput_gbps"]))
-                if loss == 0.0:
-                    node = metaroce_perf(
-                        guests[0], guests[1], perf, SECONDS, SIZE, WINDOW, node_config
+                ensure_rxe(g)
+            for loss, runs in ((0.0, node_runs), (1.0, loss_runs)):
+                for g in guests:
+                    set_netem(g, loss, NETEM_DELAY_MS)
+                for i in range(runs):
+                    report = pod_perf(kube, namespace, pods, ips)
+                    arms.reports.append(report | {"arm": f"pod {loss:g}%"})
+                    print(  # shown with -s: where each run's resends came from
+                        f"pod {loss:g}% run {i + 1}: {report['goodput_mbit']:.1f} Mbit/s, "
+                        + ", ".join(f"{k} {report[k]}" for k in _RUN_FIELDS),
+                        flush=True,
                     )
-                    arms.add("node 0%", node.gbps)
-                if i < rxe_runs:
-                    try:
-                        bw = ib_write_bw(
-                            guests[0], guests[1], int(SECONDS), attempts=1, flags=BENCH_RXE_FLAGS
-                        )
-                    except AssertionError:
-                        arms.rxe_failures += 1
-                        bw = 0.0  # RC gave up (retry exceeded): no goodput
-                    arms.add(f"rxe {loss:g}%", bw)
+                    arms.add(f"pod {loss:g}%", float(report["goodput_gbps"]))
+                    if loss == 0.0:
+                        node = metaroce_perf(guests[0], guests[1], perf, PERF_SECONDS,
+                                             PERF_SIZE, PERF_WINDOW, node_config)  # fmt: skip
+                        arms.add("node 0%", node.gbps)
+                    if i < rxe_runs:
+                        try:
+                            bw = ib_write_bw(guests[0], guests[1], int(PERF_SECONDS),
+                                             attempts=1, flags=BENCH_RXE_FLAGS)  # fmt: skip
+                        except AssertionError:
+                            arms.rxe_failures += 1
+                            bw = 0.0  # RC gave up (retry exceeded): no goodput
+                        arms.add(f"rxe {loss:g}%", bw)
     finally:
-        for g, (rmem, wmem), rxe in zip(guests, saved, had_rxe, strict=True):
+        for g, rxe in zip(guests, had_rxe, strict=True):
             clear_qdisc(g)
-            g.run(f"sysctl -qw net.core.rmem_max={rmem} net.core.wmem_max={wmem}", timeout=30)
             if not rxe:
                 g.run(f"rdma link delete {RXE}", timeout=60)
     return arms
-
-
-def _socket_buffers(g: Guest) -> tuple[str, str]:
-    out = g.run("sysctl -n net.core.rmem_max net.core.wmem_max", timeout=30, check=True).stdout
-    rmem, wmem = out.split()
-    return rmem, wmem
 
 
 def figures(arms: Arms) -> list[str]:

@@ -52,12 +52,22 @@ from conftest import REPO_ROOT, Kube
 from metaroce_api import constants
 from metaroce_harness import chart
 from metaroce_harness.cluster import ensure_binaries
-from metaroce_harness.guest_transport import clear_qdisc, set_netem
-from metaroce_harness.guests import GuestTimeoutError
+from metaroce_harness.guest_transport import NETEM_DELAY_MS, clear_qdisc, set_netem
+from metaroce_harness.pods import (
+    RXE,
+    LinkCounters,
+    annotated_pod,
+    diagnose,
+    ib_write_bw,
+    in_pod,
+    on_node,
+    pod_perf,
+    pod_ready,
+)
 
 sys.path.insert(0, str(REPO_ROOT / "tests" / "e2e"))
 import pod_transport
-from e2e_support import Capture, hw_counters
+from e2e_support import Capture
 
 pytestmark = pytest.mark.e2e
 
@@ -70,7 +80,6 @@ DSCP = 26
 TOS = DSCP << 2  # NCCL_IB_TC is the whole ToS byte
 POD_NAMESPACE = "e2e-rdma"
 PINGPONG = REPO_ROOT / "tests" / "e2e" / "guest" / "rc_pingpong.py"
-RXE = "rxe_eth0"
 # ib_write_bw between TCG guests: one 64 KiB message (64 packets) in flight. The local
 # ACK timeout (-u) is the network's NCCL_IB_TIMEOUT, as the pods' NCCL would use: 20 is
 # 4.096 us * 2^20 = 4.3 s. The 67 ms of -u 14 is shorter than a TCG-emulated responder
@@ -82,9 +91,6 @@ BW_FLAGS = "-s 65536 -t 1 -D 4 -F --report_gbits"
 BW_ROUNDS = 3  # pod and node runs alternate
 # Repeat test_2 this many times in one session (to show it does not flake).
 REPEAT_TRAFFIC = int(os.environ.get("METAROCE_E2E_REPEAT_TRAFFIC", "1"))
-# rxe hw_counters of one RC run: at the requester (node-1) and the responder (node-2)
-REQUESTER_COUNTERS = ("completer_retry_err", "retry_exceeded_err", "rcvd_seq_err")
-RESPONDER_COUNTERS = ("duplicate_request", "out_of_seq_request")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -179,17 +185,12 @@ def _allocatable(kube: Kube) -> dict[str, str]:
     }
 
 
-def _ready(pod: dict[str, Any]) -> bool:
-    statuses = pod.get("status", {}).get("containerStatuses") or [{"ready": False}]
-    return all(c["ready"] for c in statuses)
-
-
 def test_1_agents_run_as_daemonset_pods(kube: Kube, operator: None) -> None:
     nodes = kube.nodes[:2]
     kube.kubectl("apply", "-f", "-", input=_network())
 
     def agents_ready() -> bool:
-        ready = {p["spec"]["nodeName"] for p in _agent_pods(kube) if _ready(p)}
+        ready = {p["spec"]["nodeName"] for p in _agent_pods(kube) if pod_ready(p)}
         return set(nodes) <= ready
 
     took = _wait("agent pods Ready on both nodes", agents_ready, 300)
@@ -210,24 +211,6 @@ def test_1_agents_run_as_daemonset_pods(kube: Kube, operator: None) -> None:
 
 
 # -- 2: training pods ---------------------------------------------------------------------
-
-
-def _training_pod(name: str, node: str, image: str) -> dict[str, Any]:
-    """What a user writes: the annotation and nothing else RDMA-related."""
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": name,
-            "namespace": POD_NAMESPACE,
-            "annotations": {constants.NETWORKS_ANNOTATION: NETWORK},
-        },
-        "spec": {
-            "nodeSelector": {"kubernetes.io/hostname": node},
-            "terminationGracePeriodSeconds": 0,
-            "containers": [{"name": "train", "image": image, "imagePullPolicy": "IfNotPresent"}],
-        },
-    }
 
 
 class Pods:
@@ -293,135 +276,6 @@ def _pingpong(pods: Pods, server_ip: str, args: list[str]) -> tuple[dict[str, An
     return json.loads(lines[-1]), json.loads(srv.strip().splitlines()[-1]), {"first": first}
 
 
-class LinkCounters:
-    """What ib_write_bw runs cost the link between the guests: rxe's retransmission
-    counters at the requester (node-1) and the responder (node-2), and the frames the
-    harness's L2 carried and dropped. Device-wide, so pods and nodes share them."""
-
-    def __init__(self, guests: Any) -> None:
-        self.guests = guests
-        self.before = self.read()
-
-    def read(self) -> dict[str, int]:
-        req, resp = (hw_counters(g, RXE) for g in self.guests)
-        l2 = self.guests.l2_counters()
-        found = {f"node-1 {k}": req.get(k, 0) for k in REQUESTER_COUNTERS}
-        found |= {f"node-2 {k}": resp.get(k, 0) for k in RESPONDER_COUNTERS}
-        found |= {f"L2 ({l2.kind}) frames": l2.frames, f"L2 ({l2.kind}) dropped": l2.dropped}
-        found |= {f"{g.name} NIC tx stalls": g.tx_stalls() for g in self.guests}
-        return found
-
-    def delta(self) -> dict[str, int]:
-        """The counts since the last call (or since construction)."""
-        now = self.read()
-        delta = {k: v - self.before.get(k, 0) for k, v in now.items()}
-        self.before = now
-        return delta
-
-
-def _diagnose(delta: dict[str, int]) -> str:
-    """What the counters of a run say about why it moved nothing (or retransmitted)."""
-    retries = delta.get("node-1 completer_retry_err", 0)
-    dupes = delta.get("node-2 duplicate_request", 0)
-    dropped = sum(v for k, v in delta.items() if k.endswith("dropped"))
-    stalled = [k.split()[0] for k, v in delta.items() if k.endswith("tx stalls") and v]
-    if stalled:
-        return (
-            f"{', '.join(stalled)}: the emulated NIC stopped transmitting (NETDEV WATCHDOG on "
-            "the guest's console): a qemu/TCG stall of the guest's virtio NIC, not the "
-            "network's settings, loss or an ACK timeout"
-        )
-    if dropped:
-        return (
-            f"the guests' L2 dropped {dropped} frame(s): RoCE's go-back-N stalls for an ACK "
-            "timeout per loss; the lossless link must not drop (a TCG guest stalled long "
-            "enough to fill its tap queue?)"
-        )
-    if retries:
-        return (
-            f"retry storm, not loss: the requester's ACK timer expired {retries} time(s) and "
-            f"it resent (completer_retry_err +{retries}), the responder saw {dupes} duplicate "
-            "request(s), and the L2 dropped nothing: the ACK timeout (-u) is shorter than the "
-            "emulated responder takes to ACK a message"
-        )
-    return "no RoCE retransmission and no drop: the run did not start or the peer failed"
-
-
-def _ib_write_bw(
-    start_server: Callable[[str], Callable[[], None]],
-    run_client: Callable[[str], tuple[int, str]],
-    server_ip: str,
-    flags: str,
-    link: LinkCounters | None,
-) -> tuple[float, dict[str, int]]:
-    """One complete ib_write_bw run: the client's average bandwidth in Gb/s and what it
-    cost the link. A run that moves nothing is not retried: it fails with the counters."""
-    out = ""
-    finish_server = start_server(f"timeout 150 ib_write_bw -d {RXE} {flags}")
-    try:
-        for _ in range(10):  # the server listens only once set up (slow under TCG)
-            time.sleep(3)
-            code, out = run_client(f"timeout 120 ib_write_bw -d {RXE} {flags} {server_ip}")
-            if code == 0 or "Couldn't connect" not in out:
-                break
-    finally:
-        finish_server()
-    delta = link.delta() if link is not None else {}
-    rows = [ln.split() for ln in out.splitlines() if re.match(r"\s*\d+\s+\d+\s+[\d.]+", ln)]
-    bw = float(rows[-1][3]) if rows else 0.0  # #bytes #iterations BW-peak BW-average MsgRate
-    if code != 0 or bw <= 0:
-        raise AssertionError(
-            f"ib_write_bw moved nothing (exit {code}): {_diagnose(delta) if link else ''}\n"
-            f"counters of the run: {delta}\n{out}"
-        )
-    return bw, delta
-
-
-def _in_pod(pods: Pods, name: str) -> tuple[Any, Any]:
-    """ib_write_bw's server and client callables for a pod."""
-
-    def server(cmd: str) -> Callable[[], None]:
-        proc = pods.popen(name, "sh", "-c", f"exec {cmd}")
-
-        def finish() -> None:
-            proc.communicate(timeout=180)
-
-        return finish
-
-    def client(cmd: str) -> tuple[int, str]:
-        try:
-            proc = pods.kube.kubectl("exec", "-n", POD_NAMESPACE, name, "--", "sh", "-c", cmd,
-                                     check=False, timeout=150)  # fmt: skip
-        except subprocess.TimeoutExpired as exc:  # the diagnosis below says why
-            out = exc.output.decode() if isinstance(exc.output, bytes) else str(exc.output or "")
-            return 124, f"{out}\n(kubectl exec did not return within {exc.timeout} s)"
-        return proc.returncode, proc.stdout + proc.stderr
-
-    return server, client
-
-
-def _on_node(guest: Any) -> tuple[Any, Any]:
-    """ib_write_bw's server and client callables for a guest itself."""
-
-    def server(cmd: str) -> Callable[[], None]:
-        job = guest.start(f"exec {cmd}")
-
-        def finish() -> None:
-            job.wait(timeout=180)
-
-        return finish
-
-    def client(cmd: str) -> tuple[int, str]:
-        try:
-            result = guest.run(cmd, timeout=150)
-        except GuestTimeoutError as exc:  # the diagnosis below says why
-            partial = exc.result.stdout if exc.result is not None else ""
-            return 124, f"{partial}\n(did not return within 150 s)"
-        return result.returncode, result.stdout + result.stderr
-
-    return server, client
-
-
 def _doctor_sees_a_ready_node(kube: Kube) -> None:
     """`metaroce doctor --node` (issue 17): the agent's doctor inside that node's live agent
     pod, with the config the operator rendered for it, sees the node ready with its rxe
@@ -461,11 +315,12 @@ def _pods_move_rdma_traffic(kube: Kube, figures: list[str], repeat: int) -> None
     kube.kubectl("create", "namespace", POD_NAMESPACE, check=False)
     pods = Pods(kube)
     docs = [
-        _training_pod(n, node, kube.test_image) for n, node in zip(pods.names, nodes, strict=True)
+        annotated_pod(n, POD_NAMESPACE, node, kube.test_image, NETWORK)
+        for n, node in zip(pods.names, nodes, strict=True)
     ]
     kube.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
     running = _wait(
-        "both training pods Ready", lambda: all(_ready(pods.get(n)) for n in pods.names), 240, 1
+        "both training pods Ready", lambda: all(pod_ready(pods.get(n)) for n in pods.names), 240, 1
     )
 
     # what the webhook and the device plugin gave them
@@ -512,7 +367,7 @@ def _pods_move_rdma_traffic(kube: Kube, figures: list[str], repeat: int) -> None
         if link is None:
             raise
         cost = link.delta()
-        raise AssertionError(f"{exc}\n{_diagnose(cost)}\ncounters: {cost}") from None
+        raise AssertionError(f"{exc}\n{diagnose(cost)}\ncounters: {cost}") from None
     first_byte = running + timing["first"]
     for side in (client, server):
         assert side["verified"] and side["qp_traffic_class"] == TOS, side
@@ -541,14 +396,13 @@ def _pods_move_rdma_traffic(kube: Kube, figures: list[str], repeat: int) -> None
     node_bw: list[float] = []
     costs: list[tuple[str, dict[str, int]]] = []
     for _ in range(BW_ROUNDS):
-        bw, cost = _ib_write_bw(
-            _in_pod(pods, "rdma-b")[0], _in_pod(pods, "rdma-a")[1], server_ip, flags, link
-        )
+        in_b, in_a = in_pod(kube, POD_NAMESPACE, "rdma-b"), in_pod(kube, POD_NAMESPACE, "rdma-a")
+        bw, cost = ib_write_bw(in_b[0], in_a[1], server_ip, flags, link)
         pod_bw.append(bw)
         costs.append(("pods", cost))
         if guests is not None:
             g0, g1 = guests
-            bw, cost = _ib_write_bw(_on_node(g1)[0], _on_node(g0)[1], g1.ip, flags, link)
+            bw, cost = ib_write_bw(on_node(g1)[0], on_node(g0)[1], g1.ip, flags, link)
             node_bw.append(bw)
             costs.append(("nodes", cost))
     figures.append(f"[round {repeat}] ib_write_bw pods {pod_bw} Gb/s, nodes {node_bw} Gb/s")
@@ -564,7 +418,7 @@ def _pods_move_rdma_traffic(kube: Kube, figures: list[str], repeat: int) -> None
     # (a wrong GID or ToS, or a too-short timeout, costs retransmissions)
     for arm, cost in costs:
         lost = {k: v for k, v in cost.items() if v and "frames" not in k}
-        assert not lost, f"ib_write_bw in the {arm}: {_diagnose(cost)}: {cost}"
+        assert not lost, f"ib_write_bw in the {arm}: {diagnose(cost)}: {cost}"
 
 
 def _plugin_metrics(kube: Kube, node: str) -> dict[str, float]:
@@ -824,7 +678,7 @@ def _tos_and_agent_restart(
     match = ["udp", "and", "src", "host", ips[0], "and", "portrange", ports]
     dump = receiver.start(["tcpdump", "-n", "-v", "-l", "-i", "eth0", "-c", "200", *match])
     time.sleep(2)  # tcpdump listening
-    pod_transport.pod_perf(kube, MR_POD_NAMESPACE, pods, ips, seconds=2, size=65536)
+    pod_perf(kube, MR_POD_NAMESPACE, pods, ips, seconds=2, size=65536)
     out = dump.kill().stdout
     tos = [int(t, 16) for t in re.findall(r"\btos (0x[0-9a-f]+)", out)]
     assert len(tos) >= 50, out[-2000:]
@@ -837,9 +691,7 @@ def _tos_and_agent_restart(
     agent = next(p for p in _mr_agents(kube) if p["spec"]["nodeName"] == kube.nodes[0])
     before = _transport_metric(kube, kube.nodes[0], "bytes_sent", pods[0])
     with ThreadPoolExecutor(1) as pool:
-        run = pool.submit(
-            pod_transport.pod_perf, kube, MR_POD_NAMESPACE, pods, ips, seconds=30, size=65536
-        )
+        run = pool.submit(pod_perf, kube, MR_POD_NAMESPACE, pods, ips, seconds=30, size=65536)
         time.sleep(8)
         assert not run.done(), "the transfer ended before the agent restart"
         kube.kubectl("delete", "pod", "-n", NAMESPACE, agent["metadata"]["name"], "--wait=false")
@@ -855,7 +707,7 @@ def _tos_and_agent_restart(
         fresh = [p for p in new if p["metadata"]["name"] != agent["metadata"]["name"]]
         return (
             bool(fresh)
-            and all(_ready(p) for p in fresh)
+            and all(pod_ready(p) for p in fresh)
             and _mr_ready_nodes(kube) == sorted(kube.nodes[:2])
         )
 
@@ -922,10 +774,7 @@ def test_5_metaroce_network_rolls_out_and_pods_get_the_library(
         names = ("mr-a", "mr-b")
         docs = pod_transport.mpi_launcher_rbac(MR_POD_NAMESPACE)
         for name, node in zip(names, nodes, strict=True):
-            doc = _training_pod(name, node, kube.test_image)
-            doc["metadata"]["namespace"] = MR_POD_NAMESPACE
-            doc["metadata"]["annotations"] = {constants.NETWORKS_ANNOTATION: MR_NETWORK}
-            docs.append(doc)
+            docs.append(annotated_pod(name, MR_POD_NAMESPACE, node, kube.test_image, MR_NETWORK))
         docs[-2]["spec"]["serviceAccountName"] = pod_transport.MPI_LAUNCHER_SA  # mr-a launches
         kube.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
 
@@ -938,7 +787,7 @@ def test_5_metaroce_network_rolls_out_and_pods_get_the_library(
                 "exec", "-n", MR_POD_NAMESPACE, name, "--", "sh", "-c", script, timeout=timeout
             ).stdout
 
-        _wait("both metaroce pods Ready", lambda: all(_ready(get(n)) for n in names), 240, 1)
+        _wait("both metaroce pods Ready", lambda: all(pod_ready(get(n)) for n in names), 240, 1)
         for name in names:
             env = dict(line.split("=", 1) for line in run(name, "env").splitlines() if "=" in line)
             assert env["FI_PROVIDER"] == "metaroce" and env["NCCL_NET_PLUGIN"] == "metaroce", env
@@ -963,7 +812,7 @@ def test_5_metaroce_network_rolls_out_and_pods_get_the_library(
 
         # data between the two pods over the transport, with the network's settings
         ip_a, ip_b = (get(n)["status"]["podIP"] for n in names)
-        result = pod_transport.pod_perf(
+        result = pod_perf(
             kube, MR_POD_NAMESPACE, names, (ip_a, ip_b), seconds=2, size=65536,
             port_range=MR_PORTS,  # the server's port is in the network's range
         )  # fmt: skip
@@ -1021,7 +870,7 @@ def test_5_metaroce_network_rolls_out_and_pods_get_the_library(
             assert pod_node >= 0.3, (pod_node, arms.runs)
             try:  # the real clients again, under 1% loss each way (netem on both nodes)
                 for g in real.guests[:2]:
-                    set_netem(g, 1.0, pod_transport.NETEM_DELAY_MS)
+                    set_netem(g, 1.0, NETEM_DELAY_MS)
                 for clients in (pod_transport.pod_clients, pod_transport.pod_mpi):
                     figures.extend(
                         clients(kube, MR_POD_NAMESPACE, names, (ip_a, ip_b), "1% netem loss")
@@ -1181,10 +1030,7 @@ def test_6_pods_reach_the_data_nic_through_multus(
         names = ("pn-a", "pn-b")
         docs = []
         for name, node in zip(names, nodes, strict=True):
-            doc = _training_pod(name, node, kube.test_image)
-            doc["metadata"]["namespace"] = PN_POD_NAMESPACE
-            doc["metadata"]["annotations"] = {constants.NETWORKS_ANNOTATION: PN_NETWORK}
-            docs.append(doc)
+            docs.append(annotated_pod(name, PN_POD_NAMESPACE, node, kube.test_image, PN_NETWORK))
         kube.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
 
         def get(name: str) -> dict[str, Any]:
@@ -1196,7 +1042,9 @@ def test_6_pods_reach_the_data_nic_through_multus(
                 "exec", "-n", PN_POD_NAMESPACE, name, "--", "sh", "-c", script, timeout=120
             ).stdout
 
-        took = _wait("both podnet pods Ready", lambda: all(_ready(get(n)) for n in names), 240, 1)
+        took = _wait(
+            "both podnet pods Ready", lambda: all(pod_ready(get(n)) for n in names), 240, 1
+        )
         figures.append(f"podNetwork macvlan: both pods Ready {took:.1f} s after create")
         pods = {n: get(n) for n in names}
         ips = (_mr0(pods["pn-a"]), _mr0(pods["pn-b"]))
@@ -1214,12 +1062,10 @@ def test_6_pods_reach_the_data_nic_through_multus(
             assert run(name, "cat /sys/class/net/mr0/operstate").strip() in ("up", "unknown")
         figures.append(f"podNetwork macvlan: mr0 {ips[0]} on {nodes[0]}, {ips[1]} on {nodes[1]}")
         # a hostNetwork pod of the same network: no attachment, the transport binds the netdev
-        host = _training_pod("pn-host", nodes[0], kube.test_image)
-        host["metadata"]["namespace"] = PN_POD_NAMESPACE
-        host["metadata"]["annotations"] = {constants.NETWORKS_ANNOTATION: PN_NETWORK}
+        host = annotated_pod("pn-host", PN_POD_NAMESPACE, nodes[0], kube.test_image, PN_NETWORK)
         host["spec"]["hostNetwork"] = True
         kube.kubectl("apply", "-f", "-", input=yaml.safe_dump(host))
-        _wait("the hostNetwork pod Ready", lambda: _ready(get("pn-host")), 240, 1)
+        _wait("the hostNetwork pod Ready", lambda: pod_ready(get("pn-host")), 240, 1)
         assert "k8s.v1.cni.cncf.io/networks" not in get("pn-host")["metadata"]["annotations"]
         env = dict(line.split("=", 1) for line in run("pn-host", "env").splitlines() if "=" in line)
         assert env["FI_METAROCE_IFACE"] == "eth0" and env["MR_NCCL_IFNAME"] == "=eth0", env
@@ -1234,7 +1080,7 @@ def test_6_pods_reach_the_data_nic_through_multus(
             return [int(v) for v in run(name, counters).split()]
 
         before = {n: read(n) for n in names}
-        result = pod_transport.pod_perf(
+        result = pod_perf(
             kube, PN_POD_NAMESPACE, names, ips, seconds=2, size=65536, port_range=MR_PORTS
         )
         after = {n: read(n) for n in names}
