@@ -1,59 +1,117 @@
-"""The demo: the project's main job, end to end on one machine.
+"""The demo: the project's main job, end to end on one machine, on real nodes.
 
-1. starts the local control plane with simulated (kwok) nodes, and - at the same time,
-   in the background - boots two SoftRoCE qemu guests for the nodes `node-1` and `node-2`;
-2. installs the Helm chart (CRDs included) as a platform team would;
-3. runs the real operator with the chart's arguments and its ServiceAccount's token (the
-   cluster has no kubelet for its pods, so it runs on the host, in the pod network behind
-   the chart's webhook Service);
-4. applies samples/softroce-dev.yaml (through the validating webhook);
-5. starts the real node agent in each guest, with the config the operator rendered and
-   the agents' ServiceAccount token, as the DaemonSet's pods would;
-6. waits for the network to be Ready and prints a summary: networks, conditions, node
-   counts, and each node's RDMA devices as its agent reported them.
+1. starts the local control plane and two SoftRoCE qemu guests as its real nodes
+   (``RealNodes``: containerd, Multus and the pinned kubelet in each guest), labelled
+   ``metaroce.io/rdma=true``;
+2. installs the Helm chart (CRDs included) as a platform team would, and runs the real
+   operator with the chart's arguments and its ServiceAccount's token (on the host,
+   behind the chart's webhook Service: the apiserver cannot reach a pod on a guest);
+3. for samples/softroce-dev.yaml, then samples/metaroce-dev.yaml (both claim the
+   guests' eth0, so the first is deleted, and its nodes reverted, before the second is
+   applied): applies it, waits for its agents (the DaemonSet's pods under the kubelets)
+   and for the network to be Ready, prints the network's conditions, node counts and
+   each node's devices as its agent reported them; starts two annotated pods, one per
+   node, and moves data from the pod on node-1 to the pod on node-2 in interleaved runs,
+   lossless and with 1% netem loss on both guests' eth0 (softroce: ``ib_write_bw`` on
+   the device, GID and ToS the admission injected; metaroce: ``metaroce-perf`` with the
+   injected ``MR_CONFIG``);
+4. prints the two side by side: goodput lossless and at 1% loss, the ratio, and the
+   retransmissions.
 
-`--keep` leaves everything running until Ctrl-C; teardown removes every process,
-network namespace and temporary directory it made.
+``--keep`` leaves the cluster, the metaroce network and its pods up until Ctrl-C;
+teardown removes every process, guest, node address and temporary directory it made.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import signal
+import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from metaroce_api.constants import AGENT_CONFIG_KEY
-from metaroce_harness import agents, chart
-from metaroce_harness.cluster import REPO_ROOT, Component, FakeNode, HarnessError, LocalCluster
-from metaroce_harness.guests import BackgroundCommand, GuestCluster, GuestError, find_image
-from metaroce_operator.render.common import child_name
+import yaml
 
-log = logging.getLogger("metaroce.demo")
+from metaroce_harness import chart
+from metaroce_harness.cluster import REPO_ROOT, HarnessError, LocalCluster, ensure_binaries
+from metaroce_harness.guest_transport import (
+    BENCH_RXE_FLAGS,
+    NETEM_DELAY_MS,
+    clear_qdisc,
+    set_netem,
+    socket_buffers,
+)
+from metaroce_harness.guests import GuestError, find_image
+from metaroce_harness.images import ImageBuildError, find_images
+from metaroce_harness.nodes import APISERVER_ARGS, NodeError, RealNodes
+from metaroce_harness.pods import (
+    Kube,
+    LinkCounters,
+    annotated_pod,
+    ib_write_bw,
+    in_pod,
+    pod_perf,
+    pod_ready,
+)
+
+T = TypeVar("T")
 
 RELEASE = "metaroce"
 NAMESPACE = "metaroce-system"
-SAMPLE = REPO_ROOT / "samples" / "softroce-dev.yaml"
-NETWORK = "dev-softroce"
-CHILD = child_name(NETWORK)
-RDMA_LABEL = {"metaroce.io/rdma": "true"}
-# node-1 and node-2 are backed by the SoftRoCE guests of the same names (real agents);
-# the CPU nodes are not selected by the sample network.
-DEMO_NODES = [
-    FakeNode("node-1", labels={**RDMA_LABEL, "topology.kubernetes.io/zone": "a"}),
-    FakeNode("node-2", labels={**RDMA_LABEL, "topology.kubernetes.io/zone": "b"}),
-    FakeNode("cpu-node-1", labels={"topology.kubernetes.io/zone": "a"}),
-    FakeNode("cpu-node-2", labels={"topology.kubernetes.io/zone": "b"}),
-]
-GUESTS = 2
+POD_NAMESPACE = "demo"
+RDMA_LABEL = "metaroce.io/rdma=true"
+LOSS_PERCENT = 1.0
+SECONDS = 5
+"""Each run's length; the client's pod is on node-1, the server's on node-2."""
+
+
+@dataclass(frozen=True)
+class Network:
+    sample: Path
+    name: str
+    mode: str
+    tool: str
+    retransmits: str
+    """What the retransmission figure counts."""
+
+
+SOFTROCE = Network(
+    REPO_ROOT / "samples" / "softroce-dev.yaml", "dev-softroce", "softroce",
+    "ib_write_bw (RC over rxe)", "go-back-N restarts",
+)  # fmt: skip
+METAROCE = Network(
+    REPO_ROOT / "samples" / "metaroce-dev.yaml", "dev-metaroce", "metaroce",
+    "metaroce-perf", "packets resent",
+)  # fmt: skip
+
+
+@dataclass
+class Figures:
+    """One network's runs: goodput (Gbit/s) and retransmissions per run, by loss %."""
+
+    network: Network
+    goodput: dict[float, list[float]] = field(default_factory=dict)
+    retransmits: dict[float, list[int]] = field(default_factory=dict)
+
+    def add(self, loss: float, gbps: float, retransmits: int) -> None:
+        self.goodput.setdefault(loss, []).append(gbps)
+        self.retransmits.setdefault(loss, []).append(retransmits)
+
+    def median(self, loss: float) -> float:
+        return statistics.median(self.goodput[loss])
+
+    def ratio(self) -> float:
+        lossless = self.median(0.0)
+        return self.median(LOSS_PERCENT) / lossless if lossless > 0 else 0.0
 
 
 def step(title: str) -> float:
@@ -65,8 +123,8 @@ def done(started: float, what: str = "done") -> None:
     print(f"    {what} in {time.monotonic() - started:.1f} s", flush=True)
 
 
-def wait_until(what: str, check: Any, timeout: float, every: float = 1.0) -> Any:
-    """Poll `check` until it returns something truthy; print progress every 15 s."""
+def wait_until(what: str, check: Callable[[], T], timeout: float, every: float = 2.0) -> T:
+    """Poll ``check`` until it returns something truthy; print progress every 15 s."""
     started = time.monotonic()
     last_note = started
     while True:
@@ -82,212 +140,274 @@ def wait_until(what: str, check: Any, timeout: float, every: float = 1.0) -> Any
         time.sleep(every)
 
 
-def get_json(cluster: LocalCluster, *args: str) -> Any:
-    proc = cluster.kubectl("get", *args, "-o", "json", check=False)
-    return json.loads(proc.stdout) if proc.returncode == 0 else None
-
-
 class Demo:
-    def __init__(self, cluster: LocalCluster, workdir: Path) -> None:
-        self.cluster = cluster
-        self.workdir = workdir
-        self.operator: Component | None = None
-        self.agents: list[BackgroundCommand] = []
+    def __init__(self, kube: Kube, nodes: RealNodes, runs: int) -> None:
+        self.kube = kube
+        self.nodes = nodes
+        self.runs = runs
+        self.pods = ("demo-a", "demo-b")
+        self.env: dict[str, str] = {}
+        """The environment of the client's pod (demo-a), as the admission gave it."""
 
-    # -- the steps ------------------------------------------------------------------------
+    def get(self, *args: str) -> Any:
+        proc = self.kube.kubectl("get", *args, "-o", "json", check=False)
+        return json.loads(proc.stdout) if proc.returncode == 0 else None
 
-    def install_chart(self) -> None:
-        t = step(f"helm install {RELEASE} charts/metaroce (with its CRDs, namespace {NAMESPACE})")
-        chart.install(self.cluster, RELEASE, NAMESPACE)
-        done(t)
+    # -- a network's life ----------------------------------------------------------------
 
-    def start_operator(self) -> None:
-        t = step("starting the operator with the chart's arguments and ServiceAccount token")
-        self.operator = chart.start_host_operator(self.cluster, RELEASE, NAMESPACE, self.workdir)
-        print(f"    log: {self.operator.log_path}", flush=True)
-        done(t, "leading, webhooks served")
+    def apply(self, net: Network, timeout: float) -> None:
+        t = step(f"kubectl apply -f samples/{net.sample.name}")
+        print("    " + self.kube.kubectl("apply", "-f", str(net.sample)).stdout.strip())
+        selector = f"metaroce.io/network={net.name}"
 
-    def apply_sample(self) -> None:
-        t = step(f"kubectl apply -f samples/{SAMPLE.name}")
-        print(self.cluster.kubectl("apply", "-f", str(SAMPLE)).stdout.rstrip(), flush=True)
-        wait_until(
-            "the operator to render the agents' DaemonSet, ConfigMap and RBAC",
-            lambda: (
-                get_json(self.cluster, "configmap", CHILD, "-n", NAMESPACE)
-                and get_json(self.cluster, "serviceaccount", CHILD, "-n", NAMESPACE)
-            ),
-            60,
-        )
-        done(t, "DaemonSet, ConfigMap, ServiceAccount and ClusterRoleBinding rendered")
+        def agents_ready() -> bool:
+            pods = (self.get("pods", "-n", NAMESPACE, "-l", selector) or {}).get("items", [])
+            return {p["spec"].get("nodeName") for p in pods if pod_ready(p)} >= set(self.kube.nodes)
 
-    def start_agents(self, guests: GuestCluster) -> None:
-        t = step(
-            f"starting the real node agent in each guest ({', '.join(g.name for g in guests)})"
-        )
-        cm = get_json(self.cluster, "configmap", CHILD, "-n", NAMESPACE)
-        config = cm["data"][AGENT_CONFIG_KEY]
-        kubeconfig = agents.service_account_kubeconfig(self.cluster, NAMESPACE, CHILD)
-        for guest in guests:
-            self.agents.append(agents.start_agent(guest, config, kubeconfig))
-        done(t, "started")
-
-    def wait_ready(self, guests: GuestCluster, timeout: float) -> bool:
-        t = step(f"waiting for {NETWORK} to be Ready on {len(guests)} nodes")
+        wait_until(f"{net.name}'s agent pods Ready on {', '.join(self.kube.nodes)}",
+                   agents_ready, timeout)  # fmt: skip
+        done(t, "agents (DaemonSet pods) Ready")
+        t = step(f"waiting for {net.name} to be Ready and its resource on both nodes")
+        resource = f"metaroce.io/{net.name}"
 
         def ready() -> bool:
-            for job, guest in zip(self.agents, guests, strict=True):
-                if job.poll() is not None:
-                    raise HarnessError(
-                        f"the agent on {guest.name} exited:\n{agents.agent_log(guest)}"
-                    )
-            net = get_json(self.cluster, "metarocenetworks", NETWORK) or {}
-            conds = {
-                c["type"]: c["status"] for c in (net.get("status") or {}).get("conditions") or []
-            }
-            return conds.get("Ready") == "True"
+            status = (self.get("metarocenetworks", net.name) or {}).get("status") or {}
+            conds = {c["type"]: c["status"] for c in status.get("conditions") or []}
+            nodes = (self.get("nodes") or {}).get("items", [])
+            advertised = [n for n in nodes if n["status"].get("allocatable", {}).get(resource)]
+            return conds.get("Ready") == "True" and len(advertised) == len(self.kube.nodes)
 
-        try:
-            wait_until(f"{NETWORK} Ready", ready, timeout, every=2)
-        except HarnessError as exc:
-            print(f"    not Ready: {exc}", flush=True)
-            for guest in guests:
-                print(f"    --- agent log of {guest.name}:\n{agents.agent_log(guest, 20)}")
-            return False
+        wait_until(f"{net.name} Ready", ready, timeout)
         done(t, "Ready")
-        return True
+        print(self.network_summary(net), flush=True)
 
-    # -- the summary -------------------------------------------------------------------------
+    def delete(self, net: Network, timeout: float) -> None:
+        t = step(f"kubectl delete -f samples/{net.sample.name} (cleanupOnDelete: nodes reverted)")
+        self.kube.kubectl("delete", "namespace", POD_NAMESPACE, "--wait=true", timeout=timeout)
+        self.kube.kubectl("delete", "-f", str(net.sample), "--wait=true", timeout=timeout)
+        done(t, "deleted, agents gone, nodes reverted")
 
-    def summary(self) -> str:
-        lines = ["", "=" * 78, "MetaRoCE demo summary", "=" * 78, ""]
-        k = self.cluster.kubectl
-        lines += [
-            "$ kubectl get metarocenetworks",
-            k("get", "metarocenetworks").stdout.rstrip(),
-            "",
+    def start_pods(self, net: Network) -> tuple[str, str]:
+        t = step(f"two annotated pods ({net.name}): {self.pods[0]} on {self.kube.nodes[0]}, "
+                 f"{self.pods[1]} on {self.kube.nodes[1]}")  # fmt: skip
+        self.kube.kubectl("create", "namespace", POD_NAMESPACE, check=False)
+        docs = [
+            annotated_pod(name, POD_NAMESPACE, node, self.kube.test_image, net.name)
+            for name, node in zip(self.pods, self.kube.nodes, strict=True)
         ]
-        nets = get_json(self.cluster, "metarocenetworks") or {"items": []}
-        for net in nets["items"]:
-            st = net.get("status") or {}
-            meta = net["metadata"]
+        self.kube.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
+        wait_until(
+            "both pods Ready",
+            lambda: all(pod_ready(self.kube.pod(POD_NAMESPACE, n)) for n in self.pods),
+            240,
+        )
+        done(t, "Running")
+        pod = self.kube.pod(POD_NAMESPACE, self.pods[0])
+        env = self.env = self.kube.env(POD_NAMESPACE, self.pods[0])
+        limits = pod["spec"]["containers"][0]["resources"].get("limits", {})
+        shown = ("NCCL_IB_HCA", "NCCL_IB_GID_INDEX", "NCCL_IB_TC", "FI_PROVIDER",
+                 "NCCL_NET_PLUGIN", "MR_CONFIG")  # fmt: skip
+        print(f"    the admission gave {self.pods[0]}: limits {limits}; "
+              + ", ".join(f"{k}={env[k]}" for k in shown if k in env), flush=True)  # fmt: skip
+        ips = tuple(self.kube.pod(POD_NAMESPACE, n)["status"]["podIP"] for n in self.pods)
+        return ips[0], ips[1]
+
+    # -- moving data ---------------------------------------------------------------------
+
+    def measure(self, net: Network, ips: tuple[str, str]) -> Figures:
+        t = step(
+            f"moving data {self.pods[0]} -> {self.pods[1]} with {net.tool}: {self.runs} "
+            f"interleaved runs of {SECONDS} s, lossless and at {LOSS_PERCENT:g}% netem loss "
+            f"(both with {NETEM_DELAY_MS:g} ms delay) on both guests' eth0"
+        )
+        figures = Figures(net)
+        guests = self.nodes.guests
+        assert guests is not None
+        run = self.softroce_run if net.mode == "softroce" else self.metaroce_run
+        try:
+            with socket_buffers(guests):
+                for i in range(self.runs):
+                    for loss in (0.0, LOSS_PERCENT):
+                        for g in guests:
+                            set_netem(g, loss, NETEM_DELAY_MS)
+                        gbps, retx = run(ips)
+                        figures.add(loss, gbps, retx)
+                        print(f"    run {i + 1}, {loss:g}% loss: {gbps * 1000:.1f} Mbit/s, "
+                              f"{retx} {net.retransmits}", flush=True)  # fmt: skip
+        finally:
+            for g in guests:
+                clear_qdisc(g)
+        done(t)
+        return figures
+
+    def softroce_run(self, ips: tuple[str, str]) -> tuple[float, int]:
+        """ib_write_bw from pod a to pod b on the injected device, GID index and ToS, with
+        a 0.5 s ACK timeout (-u 17) instead of the network's NCCL_IB_TIMEOUT (20: 4.3 s),
+        which under loss lets a 5 s run complete no write at all."""
+        guests = self.nodes.guests
+        assert guests is not None
+        flags = (f"{BENCH_RXE_FLAGS} -D {SECONDS} -x {self.env['NCCL_IB_GID_INDEX']} "
+                 f"--tclass={self.env['NCCL_IB_TC']}")  # fmt: skip
+        link = LinkCounters(guests)
+        server = in_pod(self.kube, POD_NAMESPACE, self.pods[1])[0]
+        client = in_pod(self.kube, POD_NAMESPACE, self.pods[0])[1]
+        try:
+            gbps, _ = ib_write_bw(server, client, ips[1], flags, None)
+        except AssertionError:
+            gbps = 0.0  # RC gave up (retry count exceeded): nothing moved
+        return gbps, link.delta()["node-1 completer_retry_err"]
+
+    def metaroce_run(self, ips: tuple[str, str]) -> tuple[float, int]:
+        report = pod_perf(self.kube, POD_NAMESPACE, self.pods, ips, seconds=SECONDS)
+        if not report.get("messages"):
+            raise HarnessError(f"metaroce-perf moved nothing between the pods: {report}")
+        return float(report["goodput_gbps"]), int(report["retransmits"])
+
+    # -- what it prints --------------------------------------------------------------------
+
+    def network_summary(self, net: Network) -> str:
+        k = self.kube.kubectl
+        selector = f"metaroce.io/network={net.name}"
+        lines = ["$ kubectl get metarocenetworks", k("get", "metarocenetworks").stdout.rstrip()]
+        obj = self.get("metarocenetworks", net.name) or {}
+        st, meta = obj.get("status") or {}, obj.get("metadata") or {}
+        lines.append(f"network {net.name} (generation {meta.get('generation')}, "
+                     f"observed {st.get('observedGeneration')})")  # fmt: skip
+        for cond in st.get("conditions") or []:
             lines.append(
-                f"network {meta['name']} (generation {meta.get('generation')}, "
-                f"observed {st.get('observedGeneration')})"
+                f"  {cond['type']:<12} {cond['status']:<6} {cond.get('reason', ''):<24} "
+                f"{cond.get('message', '')}"[:160]
             )
-            for cond in st.get("conditions") or []:
-                lines.append(
-                    f"  {cond['type']:<12} {cond['status']:<6} {cond.get('reason', ''):<24} "
-                    f"{cond.get('message', '')}"[:160]
-                )
-            counts = st.get("nodes") or {}
-            lines.append("  nodes: " + ", ".join(f"{k2} {v}" for k2, v in counts.items()))
-            if st.get("transport"):
-                lines.append(f"  transport: {json.dumps(st['transport'])}")
-            lines.append("")
-        lines += ["$ kubectl get nodes -L metaroce.io/rdma",
-                  k("get", "nodes", "-L", "metaroce.io/rdma").stdout.rstrip(), ""]  # fmt: skip
-        lines += [
-            "$ kubectl get metarocenodestates",
-            k("get", "metarocenodestates").stdout.rstrip(),
-            "",
-        ]
-        states = get_json(self.cluster, "metarocenodestates") or {"items": []}
-        lines.append("RDMA devices as the agents reported them:")
+        counts = st.get("nodes") or {}
+        lines.append("  nodes: " + ", ".join(f"{name} {n}" for name, n in counts.items()))
+        lines.append("devices as the agents reported them (MetaRoceNodeStates):")
+        states = self.get("metarocenodestates", "-l", selector) or {"items": []}
         for ns in states["items"]:
-            st = ns.get("status") or {}
-            node = ns["spec"]["node"]
-            qos = st.get("qos") or {}
-            applied = len(qos.get("applied") or [])
-            skipped = len(qos.get("skipped") or [])
-            lines.append(f"  {node}: phase {st.get('phase')}, agent {st.get('agentVersion')}, "
-                         f"QoS knobs applied {applied}, skipped {skipped}")  # fmt: skip
-            for dev in st.get("inventory") or []:
+            s = ns.get("status") or {}
+            qos = s.get("qos") or {}
+            lines.append(f"  {ns['spec']['node']}: phase {s.get('phase')}, agent "
+                         f"{s.get('agentVersion')}, QoS knobs applied "
+                         f"{len(qos.get('applied') or [])}, skipped "
+                         f"{len(qos.get('skipped') or [])}")  # fmt: skip
+            for dev in s.get("inventory") or []:
                 lines.append(
                     f"    {dev.get('rdmaDevice')} on {dev.get('netdev')} ({dev.get('rdmaKind')}, "
                     f"driver {dev.get('driver')}): port {dev.get('portState')}, "
                     f"MTU {dev.get('activeMtu')}, GID[{dev.get('gidIndex')}] {dev.get('gid')}"
                 )
-            transport = st.get("transport") or {}
-            if transport:
+            transport = s.get("transport") or {}
+            library = transport.get("library") or {}
+            if library:
+                lines.append(f"    library {library.get('directory')} (sha256 "
+                             f"{str(library.get('checksum'))[:16]}...) on "
+                             f"{', '.join(transport.get('devices') or [])}")  # fmt: skip
+            elif transport:
                 lines.append(
                     f"    transport {transport.get('mode')}: {transport.get('message', '')}"
                 )
-            probe = st.get("probe") or {}
-            if probe:
-                lines.append(f"    probe: healthy={probe.get('healthy')}")
-        pods = k("get", "pods,daemonsets", "-n", NAMESPACE, "-o", "wide").stdout.rstrip()
-        lines += ["", f"$ kubectl get pods,daemonsets -n {NAMESPACE} -o wide", pods]
-        lines.append(
-            "(the operator's pods stay Pending: it runs on this host instead, as its pod "
-            "would; kwok pretends to run the agents' pods, whose agents run in the guests)"
-        )
-        return "\n".join(lines)
+        lines += [
+            f"$ kubectl get pods -n {NAMESPACE} -l {selector} -o wide",
+            k("get", "pods", "-n", NAMESPACE, "-l", selector, "-o", "wide").stdout.rstrip(),
+        ]
+        return "\n".join("    " + line for line in "\n".join(lines).splitlines())
 
-    def stop(self) -> None:
-        agents.stop_agents(self.agents)
-        if self.operator is not None:
-            self.operator.stop(grace=20)
+    def side_by_side(self, results: Sequence[Figures]) -> str:
+        head = ("network", "transport", "tool", "lossless", f"{LOSS_PERCENT:g}% loss", "ratio",
+                f"retransmits at {LOSS_PERCENT:g}% (per run)")  # fmt: skip
+        rows = [head]
+        for f in results:
+            retx = statistics.median(f.retransmits[LOSS_PERCENT])
+            rows.append((
+                f.network.name, f.network.mode, f.network.tool,
+                f"{f.median(0.0) * 1000:.1f} Mbit/s", f"{f.median(LOSS_PERCENT) * 1000:.1f} Mbit/s",
+                f"{f.ratio():.2f}", f"{retx:g} {f.network.retransmits}",
+            ))  # fmt: skip
+        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+        table = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+                 for r in rows]  # fmt: skip
+        return "\n".join([
+            "", "=" * 78, "MetaRoCE demo: softroce and metaroce side by side", "=" * 78,
+            f"two annotated pods ({self.kube.nodes[0]} -> {self.kube.nodes[1]}), {SECONDS} s "
+            f"runs, medians of {self.runs} interleaved runs per column; netem on both guests' "
+            f"eth0 ({NETEM_DELAY_MS:g} ms delay in both columns)", "",
+            *table, "",
+            "ratio: goodput at 1% loss / lossless. Retransmits: rxe's completer_retry_err at "
+            "node-1 (each go-back-N restart resends the window from the lost packet; "
+            "device-wide, so the agents' probes count too); metaroce-perf's packets resent.",
+            f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
+        ])  # fmt: skip
 
 
-def run(keep: bool, ready_timeout: float) -> int:
+def run(keep: bool, runs: int, timeout: float) -> int:
     t0 = time.monotonic()
-    t = step("checking the SoftRoCE guest image (built once, reused afterwards)")
-    image = find_image(build=True)
+    t = step("checking the guest image and the container images (built once, reused after)")
+    find_image(build=True)  # the guests find it again, built
+    images = find_images(build=True)
     done(t)
-    guests = GuestCluster(count=GUESTS, memory_mb=1024, image=image)
-    pool = ThreadPoolExecutor(1, thread_name_prefix="guests")
-    step(f"booting {GUESTS} SoftRoCE guests in the background (qemu, software emulation)")
-    booting: Future[GuestCluster] = pool.submit(guests.start)
-    ok = False
-    try:
-        t = step(f"starting the local control plane with {len(DEMO_NODES)} simulated nodes")
-        with LocalCluster(DEMO_NODES) as cluster, tempfile.TemporaryDirectory() as tmp:
-            done(t, f"ready (KUBECONFIG={cluster.kubeconfig})")
-            demo = Demo(cluster, Path(tmp))
-            try:
-                demo.install_chart()
-                demo.start_operator()
-                demo.apply_sample()
-                t = step("waiting for the guests to boot")
-                wait_until("the guests", booting.done, 600, every=1)
-                booting.result()  # raises the boot error, if any
-                done(t, f"booted ({guests.boot_seconds:.1f} s for {GUESTS})")
-                demo.start_agents(guests)
-                ok = demo.wait_ready(guests, ready_timeout)
-                print(demo.summary(), flush=True)
-                print(f"\ndemo {'finished' if ok else 'FAILED'} in {time.monotonic() - t0:.0f} s "
-                      f"(load average {os.getloadavg()[0]:.2f})")  # fmt: skip
-                if keep:
-                    print(
-                        f"\nkept running: export KUBECONFIG={cluster.kubeconfig}\n"
-                        "  kubectl get metarocenetworks,metarocenodestates\n"
-                        "Ctrl-C stops it and removes everything it made.",
-                        flush=True,
-                    )
-                    signal.pause()
-            finally:
-                demo.stop()
-    finally:
-        booting.cancel()
-        guests.close()
-        pool.shutdown(wait=True)
-    return 0 if ok else 1
+    with contextlib.ExitStack() as stack:
+        t = step("starting the local control plane")
+        cluster = stack.enter_context(LocalCluster(extra_apiserver_args=APISERVER_ARGS))
+        assert cluster.kubeconfig is not None
+        done(t, f"ready (KUBECONFIG={cluster.kubeconfig})")
+        t = step("booting 2 SoftRoCE guests as real nodes (containerd, Multus, kubelet)")
+        nodes = stack.enter_context(RealNodes(cluster, count=2, images=images))
+        done(t, f"{', '.join(nodes.names)} Ready ({nodes.timings})")
+        kube = Kube(cluster.kubeconfig, nodes.names, images.rdma_test.ref,
+                    ensure_binaries()["kubectl"], real_nodes=nodes)  # fmt: skip
+        kube.kubectl("label", "--overwrite", "node", *nodes.names, RDMA_LABEL)
+        t = step(f"helm install {RELEASE} charts/metaroce (with its CRDs, namespace {NAMESPACE})")
+        chart.install(cluster, RELEASE, NAMESPACE)
+        done(t)
+        t = step("starting the operator with the chart's arguments and ServiceAccount token")
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        operator = chart.start_host_operator(cluster, RELEASE, NAMESPACE, workdir)
+        stack.callback(operator.stop, 20)
+        print(f"    log: {operator.log_path}", flush=True)
+        done(t, "leading, webhooks served")
+
+        demo = Demo(kube, nodes, runs)
+        results: list[Figures] = []
+        for net in (SOFTROCE, METAROCE):
+            if results:
+                demo.delete(results[-1].network, timeout)
+            demo.apply(net, timeout)
+            ips = demo.start_pods(net)
+            results.append(demo.measure(net, ips))
+        print(demo.side_by_side(results), flush=True)
+        print(f"\ndemo finished in {time.monotonic() - t0:.0f} s", flush=True)
+        if keep:
+            print(
+                f"\nkept running: export KUBECONFIG={cluster.kubeconfig}\n"
+                f"  kubectl get metarocenetworks,metarocenodestates; kubectl get pods -n "
+                f"{POD_NAMESPACE}\nCtrl-C stops it and removes everything it made.",
+                flush=True,
+            )
+            signal.pause()
+        t = step("teardown: operator, guests, node addresses, control plane")
+    done(t)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hack/demo.sh", description=__doc__.split("\n")[0])
     parser.add_argument("--keep", action="store_true", help="keep everything up until Ctrl-C")
     parser.add_argument(
-        "--ready-timeout", type=float, default=300, help="seconds to wait for Ready (default 300)"
+        "--runs", type=int, default=3, help="interleaved runs per network and loss (default 3)"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=420, help="seconds to wait for each step (default 420)"
     )
     args = parser.parse_args(argv)
+    if args.runs < 1:
+        parser.error(f"--runs={args.runs}: give 1 or more")
     logging.basicConfig(level=logging.WARNING, format="    %(message)s")
+    logging.getLogger("metaroce.harness.nodes").setLevel(logging.INFO)  # boot progress
     try:
-        return run(args.keep, args.ready_timeout)
+        return run(args.keep, args.runs, args.timeout)
     except KeyboardInterrupt:
         print("stopped; everything the demo made is removed")
         return 0
-    except (HarnessError, GuestError) as exc:
+    except (HarnessError, GuestError, NodeError, ImageBuildError, AssertionError) as exc:
         print(f"demo failed: {exc}", file=sys.stderr)
         return 1
 
