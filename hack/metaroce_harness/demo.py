@@ -31,8 +31,10 @@ import logging
 import os
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -174,7 +176,8 @@ class Demo:
             status = (self.get("metarocenetworks", net.name) or {}).get("status") or {}
             conds = {c["type"]: c["status"] for c in status.get("conditions") or []}
             nodes = (self.get("nodes") or {}).get("items", [])
-            advertised = [n for n in nodes if n["status"].get("allocatable", {}).get(resource)]
+            allocatable = [n["status"].get("allocatable", {}) for n in nodes]
+            advertised = [a for a in allocatable if a.get(resource, "0") != "0"]
             return conds.get("Ready") == "True" and len(advertised) == len(self.kube.nodes)
 
         wait_until(f"{net.name} Ready", ready, timeout)
@@ -183,8 +186,8 @@ class Demo:
 
     def delete(self, net: Network, timeout: float) -> None:
         t = step(f"kubectl delete -f samples/{net.sample.name} (cleanupOnDelete: nodes reverted)")
-        self.kube.kubectl("delete", "namespace", POD_NAMESPACE, "--wait=true", timeout=timeout)
-        self.kube.kubectl("delete", "-f", str(net.sample), "--wait=true", timeout=timeout)
+        for what in (["namespace", POD_NAMESPACE], ["-f", str(net.sample)]):
+            self.kube.kubectl("delete", *what, f"--timeout={timeout:.0f}s", timeout=timeout + 30)
         done(t, "deleted, agents gone, nodes reverted")
 
     def start_pods(self, net: Network) -> tuple[str, str]:
@@ -312,28 +315,32 @@ class Demo:
         return "\n".join("    " + line for line in "\n".join(lines).splitlines())
 
     def side_by_side(self, results: Sequence[Figures]) -> str:
-        head = ("network", "transport", "tool", "lossless", f"{LOSS_PERCENT:g}% loss", "ratio",
-                f"retransmits at {LOSS_PERCENT:g}% (per run)")  # fmt: skip
+        loss = f"{LOSS_PERCENT:g}%"
+        head = ("network", "transport", "tool", "lossless", f"{loss} loss", "ratio",
+                f"retransmits per run, lossless / {loss}")  # fmt: skip
         rows = [head]
         for f in results:
-            retx = statistics.median(f.retransmits[LOSS_PERCENT])
+            retx = [statistics.median(f.retransmits[x]) for x in (0.0, LOSS_PERCENT)]
             rows.append((
                 f.network.name, f.network.mode, f.network.tool,
                 f"{f.median(0.0) * 1000:.1f} Mbit/s", f"{f.median(LOSS_PERCENT) * 1000:.1f} Mbit/s",
-                f"{f.ratio():.2f}", f"{retx:g} {f.network.retransmits}",
+                f"{f.ratio():.2f}", f"{retx[0]:g} / {retx[1]:g} {f.network.retransmits}",
             ))  # fmt: skip
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         table = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
                  for r in rows]  # fmt: skip
+        notes = (
+            f"Two annotated pods ({self.kube.nodes[0]} -> {self.kube.nodes[1]}), {SECONDS} s "
+            f"runs, the medians of {self.runs} interleaved run(s) per column; netem on both "
+            f"guests' eth0, with {NETEM_DELAY_MS:g} ms delay in both columns. Ratio: goodput "
+            f"at {loss} loss / lossless. Retransmits: rxe's completer_retry_err at "
+            f"{self.kube.nodes[0]} (each go-back-N restart resends the window from the lost "
+            "packet; device-wide, so the agents' probes count too); metaroce-perf's packets "
+            "resent. Single runs between TCG guests vary up to 3x."
+        )
         return "\n".join([
             "", "=" * 78, "MetaRoCE demo: softroce and metaroce side by side", "=" * 78,
-            f"two annotated pods ({self.kube.nodes[0]} -> {self.kube.nodes[1]}), {SECONDS} s "
-            f"runs, medians of {self.runs} interleaved runs per column; netem on both guests' "
-            f"eth0 ({NETEM_DELAY_MS:g} ms delay in both columns)", "",
-            *table, "",
-            "ratio: goodput at 1% loss / lossless. Retransmits: rxe's completer_retry_err at "
-            "node-1 (each go-back-N restart resends the window from the lost packet; "
-            "device-wide, so the agents' probes count too); metaroce-perf's packets resent.",
+            *table, "", textwrap.fill(notes, 100),
             f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
         ])  # fmt: skip
 
@@ -407,7 +414,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("stopped; everything the demo made is removed")
         return 0
-    except (HarnessError, GuestError, NodeError, ImageBuildError, AssertionError) as exc:
+    except (HarnessError, GuestError, NodeError, ImageBuildError, AssertionError,
+            subprocess.TimeoutExpired) as exc:  # fmt: skip
         print(f"demo failed: {exc}", file=sys.stderr)
         return 1
 
