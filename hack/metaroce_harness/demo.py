@@ -293,6 +293,9 @@ class Demo:
                          f"{len(qos.get('applied') or [])}, skipped "
                          f"{len(qos.get('skipped') or [])}")  # fmt: skip
             for dev in s.get("inventory") or []:
+                if not dev.get("rdmaDevice"):  # metaroce: a netdev, no RDMA device
+                    lines.append(f"    {dev.get('netdev')} (driver {dev.get('driver')})")
+                    continue
                 lines.append(
                     f"    {dev.get('rdmaDevice')} on {dev.get('netdev')} ({dev.get('rdmaKind')}, "
                     f"driver {dev.get('driver')}): port {dev.get('portState')}, "
