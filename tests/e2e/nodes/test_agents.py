@@ -91,6 +91,9 @@ BW_FLAGS = "-s 65536 -t 1 -D 4 -F --report_gbits"
 BW_ROUNDS = 3  # pod and node runs alternate
 # Repeat test_2 this many times in one session (to show it does not flake).
 REPEAT_TRAFFIC = int(os.environ.get("METAROCE_E2E_REPEAT_TRAFFIC", "1"))
+# metaroce-perf runs per arm between the pods (pod and node lossless, pod at 1% loss):
+# two keep the tier short; 5 or more give the medians on a quiet host
+TRANSPORT_RUNS = int(os.environ.get("METAROCE_E2E_TRANSPORT_RUNS", "2"))
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -855,6 +858,7 @@ def test_5_metaroce_network_rolls_out_and_pods_get_the_library(
             arms = pod_transport.measure(
                 kube, (real.guests[0], real.guests[1]), MR_POD_NAMESPACE, names,
                 (ip_a, ip_b), run("mr-a", 'echo "$MR_CONFIG"').strip(),
+                node_runs=TRANSPORT_RUNS, loss_runs=TRANSPORT_RUNS,
             )  # fmt: skip
             figures.extend(pod_transport.figures(arms))
             for r in arms.reports:  # the transport carried the bytes, loss was really there
