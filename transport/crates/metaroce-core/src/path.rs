@@ -181,6 +181,9 @@ pub struct Path {
     rtt_samples: u32,
     late_floor: Micros,
     late_floor_at: Micros,
+    /// The suspect mark the last late declaration set (undone if it proves spurious).
+    late_suspect_until: Micros,
+    /// Late-declared packets shown to have arrived after all.
     pub spurious_late: u64,
     /// Delivery rate, bytes per microsecond (EWMA of samples about an RTT long).
     pub rate_est: f64,
@@ -240,6 +243,7 @@ impl Path {
             rtt_samples: 0,
             late_floor: 0,
             late_floor_at: 0,
+            late_suspect_until: 0,
             spurious_late: 0,
             rate_est: 0.0,
             rate_sample_start: 0,
@@ -537,13 +541,24 @@ impl Path {
                 sack::sack_bit(entry, d.psn)
             }
         };
-        let Some(took) = self.late_declared.iter().filter(|d| proven(d)).map(|d| now.saturating_sub(d.sent_at)).max() else {
+        let (mut disproven, mut took) = (0u32, 0);
+        for d in self.late_declared.iter().filter(|d| proven(d)) {
+            disproven += 1;
+            took = took.max(now.saturating_sub(d.sent_at));
+        }
+        if disproven == 0 {
             return;
-        };
+        }
         self.late_declared.retain(|d| !proven(d));
-        self.spurious_late += 1;
+        self.spurious_late += disproven as u64;
         self.late_floor = self.late_floor.max(took + took / 4);
         self.late_floor_at = now;
+        // Nothing was lost: undo the window's cut, and the suspect mark unless
+        // something else (a gap, CE, a timeout) has set it since.
+        self.cc.on_loss_disproven(disproven);
+        if self.suspect_until == self.late_suspect_until {
+            self.suspect_until = 0;
+        }
     }
 
     /// Declare the overdue packets lost (oldest first: a path is FIFO).
@@ -562,8 +577,45 @@ impl Path {
             }
             self.late_declared.push_back(LateDeclared { psn: p.psn, sent_at: p.sent_at, next_psn: self.next_psn });
             self.note_loss(now, p.sent_at);
+            self.late_suspect_until = self.suspect_until;
             lost.push(p.frame);
         }
         lost
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TIMERS: PathTimers = PathTimers { min_rto: 5 * MS, max_rto: SEC };
+
+    fn ack(cum: u32) -> AckEntry {
+        AckEntry { path: 0, epoch: 0, cum, ce: 0, rcvd: cum, sack: [0; 32] }
+    }
+
+    #[test]
+    fn a_late_loss_shown_spurious_gives_back_its_cut_and_suspect_mark() {
+        let mut p = Path::new(0, 0, 1000, 1 << 20, 100, 500);
+        let mut now = 1_000;
+        for psn in 0..LATE_MIN_SAMPLES + 4 {
+            p.on_sent(now, Frame::Ping, 1000, false, psn as u64);
+            now += 100;
+            p.on_ack(now, &ack(psn + 1), 0, 100);
+        }
+        let order = (LATE_MIN_SAMPLES + 4) as u64;
+        p.on_sent(now, Frame::Ping, 1000, false, order);
+        let before = p.cc.window();
+        // A packet sent after it was acknowledged elsewhere, and it is overdue.
+        now += 2 * MS;
+        assert_eq!(p.take_late(&TIMERS, now, order + 1).len(), 1);
+        assert_eq!(p.cc.window(), before - 1000);
+        assert!(p.suspect_until > now);
+        // The ACK shows it arrived after all (no packet sent on the path since).
+        now += 100;
+        p.on_ack(now, &ack(LATE_MIN_SAMPLES + 5), 0, 100);
+        assert_eq!(p.spurious_late, 1);
+        assert_eq!(p.cc.window(), before);
+        assert_eq!(p.suspect_until, 0);
     }
 }

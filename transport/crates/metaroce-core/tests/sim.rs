@@ -115,6 +115,7 @@ fn a_busy_host_delaying_every_path_does_not_starve_the_links() {
     let capacity = 1000.0 * mss / (mss + 36.0 + 16.0 + 4.0);
     let per_link: Vec<u64> = sim.links.iter().map(|l| l.bytes[0] >> 20).collect();
     println!("busy host: goodput {g:.0} Mbit/s of {capacity:.0} (ratio {:.3}), MiB per link {per_link:?}", g / capacity);
+    println!("  {:?}", sim.eps[0].counters());
     let peer = sim.eps[0].peer(sim.addrs[1]);
     for st in sim.eps[0].path_stats(peer) {
         let link = sim.link_of(sim.src_addr(0, st.path), sim.addrs[1]);

@@ -41,6 +41,8 @@ pub struct Aimd {
     recovery_until: Micros,
     /// The least window the current loss round may cut to (BETA_LOSS of its start).
     round_floor: u64,
+    /// The window when the current loss round began: undone cuts return up to it.
+    round_start: u64,
     alpha: f64,
     last_ce_cut: Micros,
     last_delay_cut: Micros,
@@ -57,6 +59,7 @@ impl Aimd {
             ssthresh: u64::MAX,
             recovery_until: 0,
             round_floor: 0,
+            round_start: 0,
             alpha: 0.0,
             last_ce_cut: 0,
             last_delay_cut: 0,
@@ -102,6 +105,7 @@ impl Controller for Aimd {
                 let f = (BETA_DELAY * frac).min(MAX_DELAY_DECREASE);
                 self.cwnd = ((self.cwnd as f64 * (1.0 - f)) as u64).max(self.min_window());
                 self.ssthresh = self.cwnd;
+                self.round_start = self.round_start.min(self.cwnd);
             }
             return;
         }
@@ -120,6 +124,7 @@ impl Controller for Aimd {
             let cut = (self.cwnd as f64 * (1.0 - self.alpha.max(frac) / 2.0)) as u64;
             self.cwnd = cut.max(self.min_window());
             self.ssthresh = self.cwnd;
+            self.round_start = self.round_start.min(self.cwnd);
         }
     }
 
@@ -127,10 +132,20 @@ impl Controller for Aimd {
         if sent_at >= self.recovery_until {
             // A new round: packets sent from now on that are lost count in the next.
             self.recovery_until = now + srtt.max(1);
+            self.round_start = self.cwnd;
             self.round_floor = ((self.cwnd as f64 * BETA_LOSS) as u64).max(self.min_window());
         }
         self.cwnd = self.cwnd.saturating_sub(self.mss).max(self.round_floor).max(self.min_window());
         self.ssthresh = self.cwnd;
+    }
+
+    fn on_loss_disproven(&mut self, packets: u32) {
+        // Give back the MSS each took, never above the window the loss round began
+        // with (the other cuts lower that ceiling, so theirs stand), nor take back
+        // growth since.
+        let undone = self.cwnd + packets as u64 * self.mss;
+        self.cwnd = undone.min(self.round_start.max(self.cwnd)).min(self.max_window);
+        self.ssthresh = self.ssthresh.max(self.cwnd);
     }
 
     fn on_timeout(&mut self, now: Micros, consecutive: u32) {
@@ -139,6 +154,7 @@ impl Controller for Aimd {
             // or a collapse: cut as one loss round does. The path's failure detection
             // and the backed-off timeouts that follow handle a path that stays silent.
             self.recovery_until = now;
+            self.round_start = self.cwnd;
             self.round_floor = ((self.cwnd as f64 * BETA_LOSS) as u64).max(self.min_window());
             self.cwnd = self.round_floor;
             self.ssthresh = self.cwnd;
@@ -146,6 +162,7 @@ impl Controller for Aimd {
         }
         self.ssthresh = (self.cwnd / 2).max(self.min_window());
         self.cwnd = self.min_window();
+        self.round_start = self.cwnd;
     }
 
     fn reset(&mut self) {
@@ -181,6 +198,33 @@ mod tests {
         // A loss of a packet sent after the round began opens a new round.
         c.on_loss(1_300, 1_150, 100);
         assert_eq!(c.window(), 22_400);
+    }
+
+    #[test]
+    fn disproven_losses_give_their_mss_back_up_to_the_rounds_start() {
+        let mut c = Aimd::new(1000, 1 << 20);
+        c.on_ack(0, 16_000, d(50, 50, 50, 50));
+        for i in 0..3 {
+            c.on_loss(1_000 + i, 900, 100);
+        }
+        assert_eq!(c.window(), 29_000);
+        c.on_loss_disproven(2);
+        assert_eq!(c.window(), 31_000);
+        c.on_loss_disproven(5); // no higher than where the round began
+        assert_eq!(c.window(), 32_000);
+        // A CE cut after the losses stands: the undo stops at the cut window.
+        c.on_loss(2_000, 1_900, 100);
+        c.on_ce(2_010, 10, 10, 100);
+        let after_ce = c.window();
+        c.on_loss_disproven(1);
+        assert_eq!(c.window(), after_ce);
+        // Growth since the round began is not taken back.
+        let mut g = Aimd::new(1000, 1 << 20);
+        g.on_loss(0, 0, 100);
+        g.on_ack(200, 200_000, d(50, 50, 50, 50));
+        let grown = g.window();
+        g.on_loss_disproven(1);
+        assert_eq!(g.window(), grown);
     }
 
     #[test]

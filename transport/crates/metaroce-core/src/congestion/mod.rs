@@ -31,6 +31,8 @@ pub trait Controller: Send + std::fmt::Debug {
     fn on_ce(&mut self, now: Micros, marked: u32, total: u32, srtt: Micros);
     /// A packet sent at `sent_at` was lost.
     fn on_loss(&mut self, now: Micros, sent_at: Micros, srtt: Micros);
+    /// `packets` losses reported by `on_loss` proved spurious (they arrived after all).
+    fn on_loss_disproven(&mut self, packets: u32);
     /// The path's retransmission timer fired; `consecutive` earlier timeouts
     /// without an ACK in between (0 for the first).
     fn on_timeout(&mut self, now: Micros, consecutive: u32);
