@@ -24,9 +24,10 @@ from metaroce_harness.nodes import leftover_addresses
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
-BUDGET = 540.0
-"""Seconds for the whole demo with one run per column: 327 s warm at load 2.6
-(2026-12-03); the old demo on simulated nodes took 53 s of the e2e tier."""
+BUDGET = 720.0
+"""Seconds for the whole demo with one run per column: 327 s and 425 s warm at load 2.6
+and 2.7 (2026-12-03), and CI's loads reach 4-5, where the TCG guests take half as long
+again; the old demo on simulated nodes took 53 s of the e2e tier."""
 
 
 def test_demo_runs_end_to_end_and_cleans_up() -> None:
