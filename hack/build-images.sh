@@ -14,8 +14,9 @@
 # Output: ${XDG_CACHE_HOME:-~/.cache}/metaroce/images/<key>/{agent,operator,rdma-test,
 #   pause}.tar (OCI archives: `ctr image import`, `kind load image-archive`, `docker
 #   load` and `podman load` read them; layers stored uncompressed), node-containerd.tar
-#   (containerd's state with pause, agent and rdma-test unpacked, for the qemu test
-#   nodes: hack/metaroce_harness/nodes.py), manifest.env (each image's reference and
+#   (containerd's state with pause, agent and rdma-test unpacked, and the agent's next
+#   version for the upgrade test, for the qemu test nodes:
+#   hack/metaroce_harness/nodes.py), manifest.env (each image's reference and
 #   archive) and logs/, where <key> hashes this script, images/, every file the
 #   Dockerfiles copy and the pins DEBIAN_SUITE, DEBIAN_MIRROR and IMAGE_* of
 #   hack/versions.env. buildah's storage (with its layer cache: a source change does not
@@ -74,6 +75,9 @@ AGENT_REF="ghcr.io/metaroce/metaroce-agent:$version"
 OPERATOR_REF="ghcr.io/metaroce/metaroce-operator:$version"
 RDMA_TEST_REF="localhost/metaroce-rdma-test:$version"
 PAUSE_REF="localhost/metaroce-pause:$version"
+# The agent's next version, only in the test nodes' containerd state: the e2e upgrades
+# the transport library under a running pod with it (hack/next-agent-image.py).
+AGENT_NEXT_REF="ghcr.io/metaroce/metaroce-agent:$version-next"
 
 # The MetaRoCE transport the agent image carries (images/agent/transport, not in git).
 say "staging the MetaRoCE transport (hack/stage-transport.sh)"
@@ -83,7 +87,7 @@ bash "$here/stage-transport.sh" >/dev/null || die "hack/stage-transport.sh faile
 inputs=(pyproject.toml README.md api operator node-agent hack/metaroce_harness cli images)
 key=$( {
   grep -E '^(DEBIAN_SUITE|DEBIAN_MIRROR|IMAGE_)' "$here/versions.env"
-  cat "$here/build-images.sh"
+  cat "$here/build-images.sh" "$here/next-agent-image.py"
   echo "version $version"
   (cd "$repo" && find "${inputs[@]}" -type f ! -name '*.pyc' ! -path '*/__pycache__/*' \
      ! -path '*.egg-info/*' -print0 | LC_ALL=C sort -z | xargs -0 sha256sum)
@@ -249,14 +253,18 @@ PYEOF
   done
 }
 step "uncompress layers" "$logs/uncompress.log" uncompress
+step "agent image, next version $AGENT_NEXT_REF" "$logs/agent-next.log" \
+  python3 "$here/next-agent-image.py" "$out/agent.tar" "$repo/images/agent/transport" \
+  "$AGENT_NEXT_REF" "$work/agent-next.tar"
 
-# The test nodes' containerd state with the node images (pause, agent, rdma-test)
+# The test nodes' containerd state with the node images (pause, agent, rdma-test, and
+# the agent's next version)
 # already unpacked: under TCG, containerd's own unpack of the agent image takes many
 # minutes, a tar of the result extracts in under one. Made by Debian's containerd on
 # this host (the guests run the same package); the layer blobs are dropped once
 # unpacked (the snapshots hold the files; nothing here is ever pushed).
 node_state() {
-  local root="$work/ctrd-root" state="$work/ctrd-state" sock="$work/ctrd.sock" pid rc=0 name
+  local root="$work/ctrd-root" state="$work/ctrd-state" sock="$work/ctrd.sock" pid rc=0 archive
   local ctr=(ctr --address "$sock" -n k8s.io)
   mkdir -p "$root" "$state"
   printf 'version = 2\n[plugins."io.containerd.grpc.v1.cri".containerd]\n  snapshotter = "overlayfs"\n' \
@@ -265,8 +273,8 @@ node_state() {
     >"$logs/node-state-containerd.log" 2>&1 &
   pid=$!
   for _ in $(seq 1 100); do "${ctr[@]}" version >/dev/null 2>&1 && break; sleep 0.2; done
-  for name in pause agent rdma-test; do
-    "${ctr[@]}" images import "$out/$name.tar" || { rc=1; break; }
+  for archive in "$out"/{pause,agent,rdma-test}.tar "$work/agent-next.tar"; do
+    "${ctr[@]}" images import "$archive" || { rc=1; break; }
   done
   if ((rc == 0)); then
     "${ctr[@]}" images ls
@@ -303,6 +311,7 @@ step "node containerd state" "$logs/node-state.log" node_state
   echo "OPERATOR_REF=$OPERATOR_REF"
   echo "RDMA_TEST_REF=$RDMA_TEST_REF"
   echo "PAUSE_REF=$PAUSE_REF"
+  echo "AGENT_NEXT_REF=$AGENT_NEXT_REF"
   for name in agent operator rdma-test pause; do
     echo "ARCHIVE_${name//-/_}=$name.tar"
   done

@@ -50,6 +50,9 @@ class ImageSet:
     pause: Image
     # containerd's state with pause, agent and rdma-test unpacked (for the test nodes).
     node_state: Path
+    # The agent's next version (a changed transport library), in node_state only: the
+    # e2e's library upgrade under a running pod.
+    agent_next_ref: str
 
     @property
     def all(self) -> tuple[Image, ...]:
@@ -87,6 +90,7 @@ class ImageSet:
             rdma_test=image("rdma-test"),
             pause=image("pause"),
             node_state=root / manifest.get("NODE_CONTAINERD_STATE", "node-containerd.tar"),
+            agent_next_ref=manifest.get("AGENT_NEXT_REF", ""),
         )
 
 

@@ -121,9 +121,12 @@ def operator(kube: Kube, tmp_path_factory: pytest.TempPathFactory) -> Iterator[N
     real = kube.real_nodes
     if real is not None:
         chart.install(real.cluster, RELEASE, NAMESPACE)
+        # networks may name the agent's next version (test_5's library upgrade)
+        next_ref = real.images.agent_next_ref if real.images is not None else ""
         op = chart.start_host_operator(
-            real.cluster, RELEASE, NAMESPACE, tmp_path_factory.mktemp("operator")
-        )
+            real.cluster, RELEASE, NAMESPACE, tmp_path_factory.mktemp("operator"),
+            values={"agent": {"allowedImages": [next_ref]}} if next_ref else {},
+        )  # fmt: skip
         print(f"operator log: {op.log_path}")
     else:
         helm = shutil.which("helm") or ensure_binaries()["helm"]
@@ -660,6 +663,101 @@ def _print_revert_state(kube: Kube) -> None:
         print(f"--- agent {name} ({pod['spec'].get('nodeName')}):\n{logs.stdout}{logs.stderr}")
 
 
+def _library_upgrade(
+    kube: Kube,
+    guests: Any,
+    next_ref: str,
+    library: dict[str, Any],
+    pods: tuple[str, str],
+    ips: tuple[str, str],
+    get: Callable[[str], dict[str, Any]],
+    run: Callable[[str, str], str],
+) -> list[str]:
+    """The agent upgraded under running pods: the network's agent image goes to the next
+    version (build-images.sh's `agent-next`: another transport version and library). The
+    new agents install it beside the old one; the running pods keep the directory they were
+    handed, and keep it across a container restart (the kubelet re-uses the checkpointed
+    Allocate answer); a new pod gets the new version; the old version goes once no pod
+    holds it."""
+    figures = []
+    old_dir = library["directory"]
+    old_name = old_dir.rsplit("/", 1)[1]
+    nodes = sorted(get(p)["spec"]["nodeName"] for p in pods)
+
+    def mounted(pod: str) -> str:  # the host directory behind the pod's library mount
+        return run(pod, "grep ' /opt/metaroce-transport ' /proc/self/mountinfo")
+
+    def upgraded() -> list[dict[str, Any]]:
+        states = [
+            s for s in _mr_states(kube)
+            if s.get("status", {}).get("phase") == "Ready"
+            and s["status"]["transport"]["library"]["directory"] != old_dir
+        ]  # fmt: skip
+        return states if sorted(s["spec"]["node"] for s in states) == nodes else []
+
+    patch = {"spec": {"agent": {"image": next_ref}}}
+    kube.kubectl("patch", "metarocenetwork", MR_NETWORK, "--type=merge", "-p", json.dumps(patch))
+    took = _wait("both metaroce agents Ready on the next version", lambda: bool(upgraded()), 420)
+    new = {s["status"]["transport"]["library"]["directory"] for s in upgraded()}
+    assert len(new) == 1, new
+    new_dir = new.pop()
+    new_name = new_dir.rsplit("/", 1)[1]
+    figures.append(
+        f"metaroce upgrade to {next_ref}: both agents Ready with library {new_name} {took:.1f} s "
+        f"after the patch (was {old_name})"
+    )
+    for g in guests:  # both versions on the node: the running pods hold the old one
+        assert g.run(f"test -d {old_dir} && test -d {new_dir}").returncode == 0, g.name
+    for pod in pods:
+        assert old_name in mounted(pod), (pod, mounted(pod))
+    report = pod_perf(kube, MR_POD_NAMESPACE, pods, ips, seconds=2, size=65536)
+    assert report["messages"] > 0, report
+    figures.append(
+        f"metaroce upgrade: the running pods still on {old_name}, moved "
+        f"{report['goodput_mbit']:.1f} Mbit/s"
+    )
+
+    # a container restart: its checkpointed Allocate answer, so the same version
+    status = get(pods[0])["status"]["containerStatuses"][0]
+    container = status["containerID"].split("://", 1)[1]
+    guests[0].run(f"ctr -n k8s.io task kill -s SIGKILL {container}", check=True)
+
+    def restarted() -> bool:
+        st = get(pods[0])["status"]["containerStatuses"][0]
+        return bool(st["restartCount"] > status["restartCount"] and st.get("ready"))
+
+    took = _wait(f"{pods[0]}'s container restarted", restarted, 180, 1)
+    assert old_name in mounted(pods[0]), mounted(pods[0])
+    report = pod_perf(kube, MR_POD_NAMESPACE, pods, ips, seconds=2, size=65536)
+    assert report["messages"] > 0, report
+    figures.append(
+        f"metaroce upgrade: {pods[0]}'s container restarted ({took:.1f} s), still on "
+        f"{old_name}, moved {report['goodput_mbit']:.1f} Mbit/s"
+    )
+
+    # a new pod gets the new version
+    node = get(pods[0])["spec"]["nodeName"]
+    doc = annotated_pod("mr-c", MR_POD_NAMESPACE, node, kube.test_image, MR_NETWORK)
+    kube.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
+    _wait("the new pod Ready", lambda: pod_ready(get("mr-c")), 240, 1)
+    assert new_name in mounted("mr-c"), mounted("mr-c")
+    assert "libmetaroce-fi.so" in run("mr-c", "ls /opt/metaroce-transport/lib")
+
+    # the old version goes once no pod holds it (the agents' next pass)
+    kube.kubectl("delete", "pod", "-n", MR_POD_NAMESPACE, *pods, "--wait=true", timeout=240)
+
+    def swept() -> bool:
+        return all(g.run(f"test -d {old_dir}").returncode != 0 for g in guests)
+
+    took = _wait("the old library version removed on both nodes", swept, 300)
+    assert guests[0].run(f"test -d {new_dir}").returncode == 0  # mr-c holds it
+    figures.append(
+        f"metaroce upgrade: a new pod got {new_name}; {old_name} removed from both nodes "
+        f"{took:.1f} s after its pods were deleted"
+    )
+    return figures
+
+
 def _tos_and_agent_restart(
     kube: Kube, guests: Any, pods: tuple[str, str], ips: tuple[str, str]
 ) -> list[str]:
@@ -884,38 +982,13 @@ def test_5_metaroce_network_rolls_out_and_pods_get_the_library(
                     clear_qdisc(g)
 
         if real is not None and real.guests is not None:
-            # a version no pod holds goes once an agent passes again (here: a rollout); the
-            # one the pods were handed stays (the kubelet's PodResources, the agent's record)
-            stale = f"{MR_LIBDIR}/0.0.0-stale"
-            for g in real.guests:
-                g.run(f"cp -a {library['directory']} {stale}", check=True)
-            kube.kubectl(
-                "patch", "metarocenetwork", MR_NETWORK, "--type=merge",
-                "-p", '{"spec":{"agent":{"logLevel":"debug"}}}',
+            assert real.images is not None and real.images.agent_next_ref, real.images
+            figures.extend(
+                _library_upgrade(
+                    kube, real.guests[:2], real.images.agent_next_ref, library,
+                    names, (ip_a, ip_b), get, run,
+                )
             )  # fmt: skip
-
-            def swept() -> bool:
-                listings = [g.run(f"ls {MR_LIBDIR}", check=True).stdout for g in real.guests]
-                return all("0.0.0-stale" not in ls for ls in listings)
-
-            took = _wait("the unused library version removed on both nodes", swept, 300)
-            figures.append(f"metaroce: an unused library version removed {took:.1f} s after")
-            for g in real.guests:
-                assert g.run(f"test -d {library['directory']}").returncode == 0, g.name
-                records = g.run(
-                    f"cat /run/metaroce/agent/{MR_NETWORK}/metaroce-allocations.json", check=True
-                ).stdout
-                assert library["directory"] in records, (g.name, records)
-            for name in names:  # the pods still run on their version
-                assert "libmetaroce-fi.so" in run(name, "ls /opt/metaroce-transport/lib")
-            # the rollout settles before the deletion below: both agents Ready on the new
-            # config (once, at load 4, a deletion that landed while node-2's agent pod was
-            # still being replaced took more than its 240 s on the TCG guests)
-            _wait(
-                "both metaroce agents Ready on the patched config",
-                lambda: _mr_ready_nodes(kube, config_generation=2) == sorted(nodes),
-                420,
-            )
 
         kube.kubectl("delete", "namespace", MR_POD_NAMESPACE, "--wait=true", timeout=240)
     finally:
