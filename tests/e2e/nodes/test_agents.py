@@ -687,18 +687,23 @@ def _library_upgrade(
     def mounted(pod: str) -> str:  # the host directory behind the pod's library mount
         return run(pod, "grep ' /opt/metaroce-transport ' /proc/self/mountinfo")
 
-    def upgraded() -> list[dict[str, Any]]:
-        states = [
-            s for s in _mr_states(kube)
-            if s.get("status", {}).get("phase") == "Ready"
-            and s["status"]["transport"]["library"]["directory"] != old_dir
-        ]  # fmt: skip
-        return states if sorted(s["spec"]["node"] for s in states) == nodes else []
+    def library_dirs() -> dict[str, str]:  # node -> its Ready agent's library directory
+        dirs = {}
+        for s in _mr_states(kube):
+            status = s.get("status", {})
+            if status.get("phase") == "Ready":
+                library = status.get("transport", {}).get("library", {})
+                dirs[s["spec"]["node"]] = library.get("directory", "")
+        return dirs
+
+    def upgraded() -> bool:
+        dirs = library_dirs()
+        return sorted(dirs) == nodes and all(d and d != old_dir for d in dirs.values())
 
     patch = {"spec": {"agent": {"image": next_ref}}}
     kube.kubectl("patch", "metarocenetwork", MR_NETWORK, "--type=merge", "-p", json.dumps(patch))
-    took = _wait("both metaroce agents Ready on the next version", lambda: bool(upgraded()), 420)
-    new = {s["status"]["transport"]["library"]["directory"] for s in upgraded()}
+    took = _wait("both metaroce agents Ready on the next version", upgraded, 420)
+    new = set(library_dirs().values())
     assert len(new) == 1, new
     new_dir = new.pop()
     new_name = new_dir.rsplit("/", 1)[1]
