@@ -63,6 +63,9 @@ from metaroce_api.podnet import block_annotation
 log = logging.getLogger("metaroce.agent.loop")
 
 POLL_SECONDS = 5.0
+# Transport library versions no pod holds go within this long, not only on the drift
+# pass (which may be an hour apart); the check is a PodResources list and a listdir.
+LIBRARY_SWEEP_SECONDS = 60.0
 """How often the loop looks at the node between passes (config file, inventory)."""
 RETRY_BASE_SECONDS = 5.0
 RETRY_MAX_SECONDS = 300.0
@@ -816,6 +819,7 @@ class Agent:
         if self.prober is not None:
             self.prober.start()
         next_drift = time.monotonic() + self.drift_seconds
+        next_sweep = time.monotonic() + LIBRARY_SWEEP_SECONDS
         while not self.stop_event.is_set():
             self.beat()
             due = [next_drift, time.monotonic() + POLL_SECONDS]
@@ -864,10 +868,14 @@ class Agent:
                     self.report()
                 continue
             if time.monotonic() >= next_drift:
-                self.drift_pass()
+                self.drift_pass()  # sweeps the library versions too
                 next_drift = time.monotonic() + self.drift_seconds
+                next_sweep = time.monotonic() + LIBRARY_SWEEP_SECONDS
             else:
                 self.watch_ports()
+                if time.monotonic() >= next_sweep:
+                    self._remove_unused_libraries()
+                    next_sweep = time.monotonic() + LIBRARY_SWEEP_SECONDS
         log.info("stopping: the node keeps its settings (only cleanupOnDelete reverts them)")
         self.stop_plugin()
         if self.prober is not None:

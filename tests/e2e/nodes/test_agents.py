@@ -748,7 +748,7 @@ def _library_upgrade(
     assert new_name in mounted("mr-c"), mounted("mr-c")
     assert "libmetaroce-fi.so" in run("mr-c", "ls /opt/metaroce-transport/lib")
 
-    # the old version goes once no pod holds it (the agents' next pass)
+    # the old version goes once no pod holds it (the agents check every minute)
     kube.kubectl("delete", "pod", "-n", MR_POD_NAMESPACE, *pods, "--wait=true", timeout=240)
 
     def swept() -> bool:
