@@ -83,6 +83,8 @@ def measure(
             for g in guests if rxe_runs else ():
                 ensure_rxe(g)
             for loss, runs in ((0.0, node_runs), (1.0, loss_runs)):
+                if runs == 0:
+                    continue
                 for g in guests:
                     set_netem(g, loss, NETEM_DELAY_MS)
                 for i in range(runs):
@@ -112,6 +114,17 @@ def measure(
             if not rxe:
                 g.run(f"rdma link delete {RXE}", timeout=60)
     return arms
+
+
+def pod_node_figure(arms: Arms, via: str) -> str:
+    """The pod ÷ node line of lossless interleaved runs (``measure`` with no loss runs)."""
+    return (
+        f"metaroce pod / node goodput over {via}, lossless: median of the paired runs' "
+        f"ratios {arms.paired_ratio('pod 0%', 'node 0%'):.2f}, of the medians "
+        f"{arms.median('pod 0%') / arms.median('node 0%'):.2f} ({len(arms.runs['pod 0%'])} "
+        f"interleaved runs each: {arms.runs['pod 0%']} / {arms.runs['node 0%']} Gbit/s; "
+        f"load average {load_average()})"
+    )
 
 
 def figures(arms: Arms) -> list[str]:
