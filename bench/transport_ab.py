@@ -34,7 +34,7 @@ CLIENT = (
     "{perf} client udp://{{b_data}}:30000 --duration {{seconds}} --size {size} "
     "--window {window} --json --config addr={{a_data}},ports=31000-31100"
 )
-FIELDS = ("retransmits", "spurious_retransmits", "rtos", "tlps")
+FIELDS = ("packets_sent", "acks_rcvd", "retransmits", "spurious_retransmits", "rtos", "tlps")
 
 
 def perf_binary(folder: str, flag: str) -> str:
