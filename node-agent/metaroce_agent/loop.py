@@ -63,10 +63,10 @@ from metaroce_api.podnet import block_annotation
 log = logging.getLogger("metaroce.agent.loop")
 
 POLL_SECONDS = 5.0
-# Transport library versions no pod holds go within this long, not only on the drift
-# pass (which may be an hour apart); the check is a PodResources list and a listdir.
-LIBRARY_SWEEP_SECONDS = 60.0
 """How often the loop looks at the node between passes (config file, inventory)."""
+LIBRARY_SWEEP_SECONDS = 60.0
+"""Transport library versions no pod holds go within this long, not only on the drift
+pass (which may be an hour apart); the check is a PodResources list and a listdir."""
 RETRY_BASE_SECONDS = 5.0
 RETRY_MAX_SECONDS = 300.0
 REPORT_RETRY_BASE_SECONDS = 2.0
