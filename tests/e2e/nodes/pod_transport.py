@@ -132,8 +132,6 @@ def figures(arms: Arms) -> list[str]:
     mr = arms.median("pod 1%") / arms.median("pod 0%")
     rxe0 = arms.median("rxe 0%") if "rxe 0%" in arms.runs else 0.0
     rxe = arms.median("rxe 1%") / rxe0 if rxe0 > 0 else 0.0
-    pod_node = arms.median("pod 0%") / arms.median("node 0%")
-    paired = arms.paired_ratio("pod 0%", "node 0%")
     retx = [r["retransmits"] for r in arms.reports if r["arm"] == "pod 1%"]
     rcvbuf = sorted({r["sock_rcvbuf"] for r in arms.reports})
     return [
@@ -146,11 +144,8 @@ def figures(arms: Arms) -> list[str]:
             if "rxe 1%" in arms.runs
             else "rxe beside it: see the demo (bash hack/demo.sh --runs 5)"
         ),
-        f"metaroce pod / node goodput, lossless: {pod_node:.2f}, median of the paired runs' "
-        f"ratios {paired:.2f} (medians of "
-        f"{len(arms.runs['pod 0%'])} interleaved runs each: {arms.runs['pod 0%']} / "
-        f"{arms.runs['node 0%']} Gbit/s; the pods' socket buffers {rcvbuf})",
-        f"load average during the transport runs: {load_average()}",
+        pod_node_figure(arms, "the pod network (veth and bridge)")
+        + f"; the pods' socket buffers {rcvbuf}",
     ]
 
 
