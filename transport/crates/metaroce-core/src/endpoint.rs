@@ -620,7 +620,7 @@ impl Endpoint {
         None
     }
 
-    /// Acknowledge everything received so far (the driver calls it after a receive batch).
+    /// The end of a receive batch (the driver calls it): see `Connection::flush_ack`.
     pub fn flush_acks(&mut self) {
         for c in self.conns.values_mut() {
             c.flush_ack();

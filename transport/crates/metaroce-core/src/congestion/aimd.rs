@@ -44,6 +44,14 @@ pub struct Aimd {
     /// The window when the current loss round began: undone cuts return up to it.
     round_start: u64,
     alpha: f64,
+    /// CE marks and packets the receiver saw in the current observation window
+    /// (about one srtt), and when that window ends. DCTCP counts per window of
+    /// data, not per ACK: an ACK's own fraction depends on how many packets it
+    /// covers (one marked packet in an ACK of two is half), which the receiver's
+    /// ACK policy decides, not the fabric.
+    ce_marked: u64,
+    ce_total: u64,
+    ce_window_end: Micros,
     last_ce_cut: Micros,
     last_delay_cut: Micros,
     queue_target: Micros,
@@ -61,6 +69,9 @@ impl Aimd {
             round_floor: 0,
             round_start: 0,
             alpha: 0.0,
+            ce_marked: 0,
+            ce_total: 0,
+            ce_window_end: 0,
             last_ce_cut: 0,
             last_delay_cut: 0,
             queue_target: QUEUE_TARGET_US,
@@ -117,15 +128,29 @@ impl Controller for Aimd {
         if total == 0 {
             return;
         }
-        let frac = (marked as f64 / total as f64).min(1.0);
+        self.ce_marked += marked.min(total) as u64;
+        self.ce_total += total as u64;
+        if self.ce_window_end == 0 {
+            self.ce_window_end = now + srtt.max(1);
+        }
+        if now < self.ce_window_end {
+            return;
+        }
+        // One observation window is over: its fraction feeds alpha, and a window
+        // with marks cuts once, by the larger of alpha and its own fraction (a
+        // sudden queue is answered at once, not after alpha has caught up).
+        let frac = self.ce_marked as f64 / self.ce_total as f64;
         self.alpha = (1.0 - ALPHA_GAIN) * self.alpha + ALPHA_GAIN * frac;
-        if marked > 0 && now >= self.last_ce_cut + srtt.max(1) {
+        if self.ce_marked > 0 && now >= self.last_ce_cut + srtt.max(1) {
             self.last_ce_cut = now;
             let cut = (self.cwnd as f64 * (1.0 - self.alpha.max(frac) / 2.0)) as u64;
             self.cwnd = cut.max(self.min_window());
             self.ssthresh = self.cwnd;
             self.round_start = self.round_start.min(self.cwnd);
         }
+        self.ce_marked = 0;
+        self.ce_total = 0;
+        self.ce_window_end = now + srtt.max(1);
     }
 
     fn on_loss(&mut self, now: Micros, sent_at: Micros, srtt: Micros) {
@@ -214,7 +239,8 @@ mod tests {
         assert_eq!(c.window(), 32_000);
         // A CE cut after the losses stands: the undo stops at the cut window.
         c.on_loss(2_000, 1_900, 100);
-        c.on_ce(2_010, 10, 10, 100);
+        c.on_ce(1_910, 0, 10, 100); // opens the observation window
+        c.on_ce(2_010, 10, 10, 100); // closes it with marks: a cut
         let after_ce = c.window();
         c.on_loss_disproven(1);
         assert_eq!(c.window(), after_ce);
@@ -253,11 +279,38 @@ mod tests {
     #[test]
     fn ce_fraction_cuts_in_proportion() {
         let mut c = Aimd::new(1000, 1 << 20);
-        c.on_ce(1_000, 10, 10, 100);
-        assert!(c.window() < 16_000 && c.window() >= 8_000, "{}", c.window());
+        c.on_ce(1_000, 1, 10, 100); // opens the observation window
+        assert_eq!(c.window(), 16_000);
+        c.on_ce(1_100, 9, 10, 100); // closes it: half the window's packets marked
+        assert_eq!(c.window(), 12_000);
         let w = c.window();
-        c.on_ce(1_050, 10, 10, 100); // within the same RTT: no second cut
+        c.on_ce(1_150, 10, 10, 100); // within the same RTT: no second cut
         assert_eq!(c.window(), w);
+    }
+
+    #[test]
+    fn the_ce_estimate_does_not_depend_on_how_many_packets_an_ack_covers() {
+        // 5% of packets marked, one in every 20, acknowledged two or eight at a time:
+        // the same alpha and window (per ACK, an ACK of two holding the mark said
+        // "half marked" and halved the window).
+        let run = |per_ack: u32| {
+            let mut c = Aimd::new(1000, 40_000);
+            c.on_loss(0, 0, 100); // leave slow start
+            let (mut now, mut seq) = (0u64, 0u32);
+            for _ in 0..20_000 {
+                let marked = (seq..seq + per_ack).filter(|s| s % 20 == 19).count() as u32;
+                seq += per_ack;
+                now += per_ack as u64 * 5; // 200 packets per 1 ms
+                c.on_ce(now, marked, per_ack, 100);
+                c.on_ack(now, per_ack as u64 * 1000, d(50, 50, 50, 50));
+            }
+            (c.alpha(), c.window())
+        };
+        let (a2, w2) = run(2);
+        let (a8, w8) = run(8);
+        assert!((a2 - 0.05).abs() < 0.01 && (a8 - 0.05).abs() < 0.01, "alpha {a2} {a8}");
+        let ratio = w2 as f64 / w8 as f64;
+        assert!((0.8..1.25).contains(&ratio), "windows {w2} {w8}");
     }
 
     #[test]
