@@ -111,7 +111,7 @@ def below(bins: list[float], level: float) -> float | None:
     return sum(1 for b in bins if b < level) / len(bins) if bins else None
 
 
-def link_failure(fab: fabric.MultipathFabric, perf_bin: str) -> dict[str, Any]:
+def link_failure(fab: fabric.MultipathFabric, perf_bin: str, capacity: float) -> dict[str, Any]:
     marks: dict[str, dict[str, int]] = {}
 
     def impair() -> None:
@@ -132,10 +132,10 @@ def link_failure(fab: fabric.MultipathFabric, perf_bin: str) -> dict[str, Any]:
     used_again = marks["restored+1s"][link1] - marks["restored"][link1]
     # The verdict uses bins of payload bytes first acknowledged (packet-sized
     # steps); bins of completed messages move in 64 KiB steps and sit beside them.
-    acked = bin_figures([float(x) for x in doc["acked_bins_mbps"]])
+    acked = bin_figures([float(x) for x in doc["acked_bins_mbps"]], capacity)
     return {
         **acked,
-        "by_message_completion": bin_figures([float(x) for x in doc["bins_mbps"]]),
+        "by_message_completion": bin_figures([float(x) for x in doc["bins_mbps"]], capacity),
         "link_bytes_in_1s_after_recovery": used_again,
         "goodput_mbit": doc["goodput_gbps"] * 1000,
         "rtos": doc["rtos"],
@@ -143,16 +143,26 @@ def link_failure(fab: fabric.MultipathFabric, perf_bin: str) -> dict[str, Any]:
     }
 
 
-def bin_figures(bins: list[float]) -> dict[str, Any]:
-    """The link-failure figures of one series of 10 ms bins (the cut at t = 1 s)."""
+def bin_figures(bins: list[float], capacity: float) -> dict[str, Any]:
+    """The link-failure figures of one series of 10 ms bins (the cut at t = 1 s).
+
+    Three links carry at most 3/4 of the measured capacity: `three_link_ceiling` is
+    that over the lossless bins' median. A bin under 0.7 of lossless is under
+    0.7 / ceiling of what three links can carry; `lossless_bins_below_same_depth` is
+    the share of lossless bins that far under their own median, the host's noise at
+    the depth the 0.7 rule asks of the three links."""
     cut = 1000 // BIN_MS
     before = bins[20:cut]  # skip the first 200 ms (slow start)
     lossless = statistics.median(before)
+    ceiling = 0.75 * capacity / lossless
     return {
         "lossless_bins_mbit": lossless,
+        "three_link_ceiling": ceiling,
         "first_10ms_bin_after_cut": bins[cut] / lossless if len(bins) > cut else None,
         "lossless_bins_below_0.7": below(before, 0.7 * lossless),
+        "lossless_bins_below_same_depth": below(before, min(1.0, 0.7 / ceiling) * lossless),
         **recovery(bins, cut, lossless),
+        "bins_mbit": bins,
     }
 
 
@@ -254,7 +264,7 @@ def multipath_scenarios(runs: int, perf_bin: str, report: dict[str, Any]) -> Non
                 "lossless_mbit": g,
                 "lossless_of_capacity": g / capacity,
                 "spurious_of_sent": lossless["spurious_retransmits"] / lossless["packets_sent"],
-                "link_failure": link_failure(fab, perf_bin),
+                "link_failure": link_failure(fab, perf_bin, capacity),
                 "ce_share": ce_share(fab, perf_bin, g),
                 "loadavg": loadavg(),
             }
@@ -267,7 +277,9 @@ def multipath_scenarios(runs: int, perf_bin: str, report: dict[str, Any]) -> Non
                 f"{lf['back_after_ms']} ms, "
                 f"500 ms median {lf.get('hold_median') or 0:.2f}, bins below 0.7: "
                 f"{lf.get('hold_bins_below_0.7') or 0:.2f} (lossless: "
-                f"{lf['lossless_bins_below_0.7'] or 0:.2f}), link used again "
+                f"{lf['lossless_bins_below_0.7'] or 0:.2f}; three links' ceiling "
+                f"{lf['three_link_ceiling']:.2f}, lossless bins as far under their median: "
+                f"{lf['lossless_bins_below_same_depth'] or 0:.2f}), link used again "
                 f"{lf['link_bytes_in_1s_after_recovery'] >> 10} KiB | CE 5%: share "
                 f"{ce['marked_link_share']:.3f}, total {ce['ratio_to_lossless']:.3f} of lossless"
                 f" | load {row['loadavg']}",
