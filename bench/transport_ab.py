@@ -8,7 +8,7 @@ per build and loss, and the median of the paired ratios B / A, with the load ave
 
     flock /tmp/metaroce-heavy.lock python3 bench/transport_ab.py \\
         --a /tmp/base/release --b ~/.cache/metaroce/transport/target/release \\
-        [--rounds 5] [--losses 0,1] [--seconds 5] [--size 1048576] [--window 16]
+        [--rounds 5] [--losses 0,1] [--seconds 5] [--size 1048576] [--window 16] [--mode bw|lat]
 
 --a and --b are folders holding a metaroce-perf binary. Run as root (network
 namespaces). Python 3.11 standard library only.
@@ -31,9 +31,11 @@ from transport_loss import conditions, loadavg, perf_arm  # noqa: E402
 
 SERVER = "{perf} server --once --config addr={{b_data}},ports=30000-30100"
 CLIENT = (
-    "{perf} client udp://{{b_data}}:30000 --duration {{seconds}} --size {size} "
+    "{perf} client udp://{{b_data}}:30000 --mode {mode} --duration {{seconds}} --size {size} "
     "--window {window} --json --config addr={{a_data}},ports=31000-31100"
 )
+# What each mode compares: bw its goodput, lat its median round trip (and p99 beside).
+METRIC = {"bw": ("goodput_mbit", "Mbit/s"), "lat": ("lat_p50_us", "us p50")}
 FIELDS = ("packets_sent", "acks_rcvd", "retransmits", "spurious_retransmits", "rtos", "tlps")
 
 
@@ -53,6 +55,13 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--size", type=int, default=1 << 20)
     ap.add_argument("--window", type=int, default=16)
+    ap.add_argument(
+        "--mode",
+        choices=sorted(METRIC),
+        default="bw",
+        help="bw: goodput; lat: ping-pong round trips of --size (a small message's "
+        "loss recovery is what an allreduce waits on)",
+    )
     args = ap.parse_args()
     if args.rounds < 1:
         raise SystemExit(f"--rounds {args.rounds}: at least 1")
@@ -62,6 +71,7 @@ def main() -> int:
     except ValueError:
         raise SystemExit(f"--losses {args.losses}: percents, e.g. 0,1") from None
     conds = conditions(losses, bursty=False)
+    metric, unit = METRIC[args.mode]
     runs: dict[tuple[str, str], list[float]] = {}
     start = loadavg()
     print(f"A = {builds['A']}\nB = {builds['B']}\nload average at start: {start}", flush=True)
@@ -71,20 +81,26 @@ def main() -> int:
                 fab.set_impairments(imps)
                 order = ("A", "B") if rnd % 2 == 0 else ("B", "A")
                 for build in order:
-                    fmt = {"perf": builds[build], "size": args.size, "window": args.window}
+                    fmt = {
+                        "perf": builds[build],
+                        "size": args.size,
+                        "window": args.window,
+                        "mode": args.mode,
+                    }
                     res: dict[str, Any] = perf_arm(
                         fab, SERVER.format(**fmt), CLIENT.format(**fmt), args.seconds
                     )
-                    runs.setdefault((build, label), []).append(float(res["goodput_mbit"]))
-                    extra = ", ".join(f"{k} {res.get(k, '-')}" for k in FIELDS)
+                    runs.setdefault((build, label), []).append(float(res.get(metric, 0.0)))
+                    fields = FIELDS + (("lat_p99_us",) if args.mode == "lat" else ())
+                    extra = ", ".join(f"{k} {res.get(k, '-')}" for k in fields)
                     err = "" if res["ok"] else f" FAILED {res.get('error', 'timed out')!r}"
                     print(
-                        f"round {rnd + 1} {label:>4} {build}: {res['goodput_mbit']:7.1f} Mbit/s"
+                        f"round {rnd + 1} {label:>4} {build}: {res.get(metric, 0.0):7.1f} {unit}"
                         f" ({extra}); load {loadavg()}{err}",
                         flush=True,
                     )
         fab.set_impairments([])
-    print(f"\nmetaroce-perf goodput, Mbit/s, medians of {args.rounds} (load at end {loadavg()})")
+    print(f"\nmetaroce-perf {metric}, medians of {args.rounds} (load at end {loadavg()})")
     for label, _ in conds:
         a, b = runs[("A", label)], runs[("B", label)]
         paired = statistics.median(y / x if x > 0 else 0.0 for x, y in zip(a, b, strict=True))

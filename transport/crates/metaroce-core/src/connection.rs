@@ -24,9 +24,9 @@ pub const FAIL_AFTER_RTOS: u32 = 3;
 pub const ACK_EVERY: u32 = 8;
 /// New packets a receive batch must bring for the driver's end-of-batch flush to
 /// send an ACK before `ACK_EVERY` or the ACK delay (a batch that completes a
-/// message or holds a CE mark, a duplicate or a PING flushes whatever its size). A
-/// flush after every batch sent one ACK per 3.7 data packets on the busy host
-/// fabric: a fifth of the packets its forwarding paid for.
+/// message or holds an ACK_REQ packet, a CE mark, a duplicate or a PING flushes
+/// whatever its size). A flush after every batch sent one ACK per 3.7 data packets
+/// on the busy host fabric: a fifth of the packets its forwarding paid for.
 pub const ACK_FLUSH_MIN: u32 = 4;
 /// New packets go to the paths in runs of this many, not one each. A path's
 /// last packet before the rotation leaves it is a tail no gap on the path shows
@@ -545,6 +545,9 @@ impl Connection {
                 if ce {
                     out.counters.ce_rcvd += 1;
                     self.ack_eager = true; // the sender's controller and steering wait on it
+                }
+                if h.flags & wire::FLAG_ACK_REQ != 0 {
+                    self.ack_eager = true;
                 }
                 self.rwin_dirty[i] = true;
                 self.ack_pending = true;
@@ -1190,6 +1193,7 @@ impl Connection {
 
     fn write_frame(&mut self, now: Micros, buf: &mut [u8], f: Frame, path: usize, is_retx: bool, out: &mut Shared) -> (usize, u8, bool) {
         let mss = self.mss;
+        let mut last_seg = false;
         let (mut d, payload): (DataHeader, &[u8]) = match f {
             Frame::Seg { msg, seg } => {
                 let m = &self.smsgs[&msg];
@@ -1200,6 +1204,7 @@ impl Connection {
                 let off = seg * mss;
                 let n = (limit - off.min(limit)).min(mss);
                 let kind = if matches!(m.phase, SendPhase::Eager) { DataKind::Eager } else { DataKind::Rndv };
+                last_seg = off + n >= limit;
                 (Self::msg_header(msg, m, off, kind), m.buf.slice(off as usize, n as usize))
             }
             Frame::Rts { msg } => (Self::msg_header(msg, &self.smsgs[&msg], 0, DataKind::Rts), &[][..]),
@@ -1226,7 +1231,11 @@ impl Connection {
         let p = &mut self.paths[path];
         self.sent_order += 1;
         (d.psn, d.floor_delta) = p.on_sent(now, f, bytes, is_retx, self.sent_order);
-        let h = Header { ptype: PacketType::Data, flags: 0, path: path as u8, epoch: p.epoch, dst_token: self.peer_token };
+        // The sender waits on these ACKs: its completion (a message's last segment,
+        // FI_TRANSMIT_COMPLETE), a recovery (a resend) or a path's verdict (a probe).
+        let ack_req = last_seg || is_retx || f == Frame::Ping;
+        let flags = if ack_req { wire::FLAG_ACK_REQ } else { 0 };
+        let h = Header { ptype: PacketType::Data, flags, path: path as u8, epoch: p.epoch, dst_token: self.peer_token };
         let n = wire::write_data(buf, &h, &d, payload.len(), |s| s.copy_from_slice(payload));
         out.counters.pkts_sent += 1;
         out.counters.bytes_sent += payload.len() as u64;

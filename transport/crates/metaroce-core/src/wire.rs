@@ -69,9 +69,16 @@ impl fmt::Display for DecodeError {
     }
 }
 
+/// Header flag of a DATA packet whose sender waits on its ACK (a message's last
+/// segment, a resend, a probe), as RoCE's AckReq bit: the receiver acknowledges it
+/// at the end of its receive batch instead of holding the ACK for more packets.
+/// Other bits are reserved: sent as 0, ignored on receipt.
+pub const FLAG_ACK_REQ: u8 = 1;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Header {
     pub ptype: PacketType,
+    /// `FLAG_ACK_REQ` on DATA; reserved bits are 0.
     pub flags: u8,
     /// The sender's path (socket) index.
     pub path: u8,
