@@ -652,7 +652,11 @@ def print_tables(
                 f"{g / capacity:6.3f} | retransmits {r.get('retransmits', '-')}, spurious "
                 f"{r.get('spurious_retransmits', '-')}"
             )
-    print("\n== Open MPI allreduce (4 ranks, 2 per namespace): median / p99 ms, data checked")
+    ranks = int(report.get("allreduce_ranks", 4))
+    print(
+        f"\n== Open MPI allreduce ({ranks} ranks, {ranks // 2} per namespace): "
+        "median / p99 ms, data checked"
+    )
     for a in arms:
         for lab, res in report["allreduce"][a].items():
             cells = []
