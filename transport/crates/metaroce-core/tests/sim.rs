@@ -571,3 +571,58 @@ fn a_small_message_tail_lost_at_one_percent_is_found_by_later_acks() {
     assert!(lossy.0 as f64 <= 1.5 * lossless.0 as f64, "median {} us at 1% against {} us lossless", lossy.0, lossless.0);
     assert!(lossy.1 as f64 <= 3.0 * lossless.1 as f64, "p90 {} us at 1% against {} us lossless", lossy.1, lossless.1);
 }
+
+#[test]
+fn a_segment_the_sender_waits_on_is_acknowledged_at_the_batch_end() {
+    // The receiver holds an ACK until ACK_FLUSH_MIN packets came unless the sender
+    // waits on one: a message's last segment carries ACK_REQ. Here only the last
+    // segments' path arrives (no gap on it, the message incomplete: its other
+    // path's packets are lost at their tail), and the ACK still goes at the end of
+    // that batch, not after the (here 50 ms) ACK delay.
+    use metaroce_core::wire::{self, Body, FLAG_ACK_REQ};
+    let mut sim = Sim::two(Config { ack_delay: 50 * MS, ..cfg() }, four_links(20, 31.25), 21);
+    transfer(&mut sim, 0, 1, &[100], SEC); // the handshake, and the paths' runs begun
+    sim.run_until(200 * MS, |_| false); // every ACK delivered
+    let mss = Config::default().mss() as usize;
+    let (dst, src) = (sim.eps[0].peer(sim.addrs[1]), sim.eps[1].peer(sim.addrs[0]));
+    sim.eps[1].recv(src, RecvBuf::owned(10 * mss), 7, 0, true, 7, true).unwrap();
+    sim.eps[0].send(sim.now, dst, SendBuf::owned(pattern(7, 10 * mss)), 7, true, None, 7, true).unwrap();
+    // (offset, path, ACK_REQ, datagram) of every segment, in the order sent.
+    let mut segs: Vec<(u32, u8, bool, Vec<u8>)> = Vec::new();
+    let mut buf = vec![0u8; 65536];
+    for _ in 0..1000 {
+        while let Some(t) = sim.eps[0].poll_transmit(sim.now, &mut buf) {
+            let p = wire::decode(&buf[..t.len]).unwrap();
+            if let Body::Data(d, _) = p.body {
+                segs.push((d.offset, p.header.path, p.header.flags & FLAG_ACK_REQ != 0, buf[..t.len].to_vec()));
+            }
+        }
+        if segs.len() >= 10 {
+            break;
+        }
+        sim.now += 10;
+    }
+    assert_eq!(segs.len(), 10, "the message's 10 segments");
+    let flagged: Vec<u32> = segs.iter().filter(|s| s.2).map(|s| s.0).collect();
+    assert_eq!(flagged, vec![9 * mss as u32], "only the last segment asks for an ACK");
+    let last_path = segs.iter().find(|s| s.2).unwrap().1;
+    let on_last: Vec<&(u32, u8, bool, Vec<u8>)> = segs.iter().filter(|s| s.1 == last_path).collect();
+    assert!(
+        (1..4).contains(&on_last.len()),
+        "the test needs the last segment's path to carry 1-3 of the 10 (runs of 8 per path): {:?}",
+        segs.iter().map(|s| (s.0, s.1)).collect::<Vec<_>>()
+    );
+    let from = sim.src_addr(0, last_path);
+    sim.now += 100;
+    for s in &on_last {
+        sim.eps[1].handle_datagram(sim.now, from, false, &s.3);
+    }
+    sim.eps[1].flush_acks();
+    let mut acks = 0;
+    while let Some(t) = sim.eps[1].poll_transmit(sim.now, &mut buf) {
+        if matches!(wire::decode(&buf[..t.len]).unwrap().body, Body::Ack(_)) {
+            acks += 1;
+        }
+    }
+    assert!(acks > 0, "no ACK at the batch's end for {} packets holding the ACK_REQ segment", on_last.len());
+}
