@@ -1232,9 +1232,9 @@ impl Connection {
         self.sent_order += 1;
         (d.psn, d.floor_delta) = p.on_sent(now, f, bytes, is_retx, self.sent_order);
         // The sender waits on these ACKs: its completion (a message's last segment,
-        // FI_TRANSMIT_COMPLETE), a recovery (a resend) or a path's verdict (a probe).
-        let ack_req = last_seg || is_retx || f == Frame::Ping;
-        let flags = if ack_req { wire::FLAG_ACK_REQ } else { 0 };
+        // FI_TRANSMIT_COMPLETE) or a recovery (a resend). A PING needs no flag: the
+        // receiver acknowledges a PING by its kind (`on_data`).
+        let flags = if last_seg || is_retx { wire::FLAG_ACK_REQ } else { 0 };
         let h = Header { ptype: PacketType::Data, flags, path: path as u8, epoch: p.epoch, dst_token: self.peer_token };
         let n = wire::write_data(buf, &h, &d, payload.len(), |s| s.copy_from_slice(payload));
         out.counters.pkts_sent += 1;

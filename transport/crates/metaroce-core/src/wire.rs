@@ -70,7 +70,7 @@ impl fmt::Display for DecodeError {
 }
 
 /// Header flag of a DATA packet whose sender waits on its ACK (a message's last
-/// segment, a resend, a probe), as RoCE's AckReq bit: the receiver acknowledges it
+/// segment, a resend), as RoCE's AckReq bit: the receiver acknowledges it
 /// at the end of its receive batch instead of holding the ACK for more packets.
 /// Other bits are reserved: sent as 0, ignored on receipt.
 pub const FLAG_ACK_REQ: u8 = 1;
