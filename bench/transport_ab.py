@@ -72,6 +72,7 @@ def main() -> int:
         raise SystemExit(f"--losses {args.losses}: percents, e.g. 0,1") from None
     conds = conditions(losses, bursty=False)
     metric, unit = METRIC[args.mode]
+    fields = FIELDS + (("lat_p99_us",) if args.mode == "lat" else ())
     runs: dict[tuple[str, str], list[float]] = {}
     start = loadavg()
     print(f"A = {builds['A']}\nB = {builds['B']}\nload average at start: {start}", flush=True)
@@ -90,12 +91,12 @@ def main() -> int:
                     res: dict[str, Any] = perf_arm(
                         fab, SERVER.format(**fmt), CLIENT.format(**fmt), args.seconds
                     )
-                    runs.setdefault((build, label), []).append(float(res.get(metric, 0.0)))
-                    fields = FIELDS + (("lat_p99_us",) if args.mode == "lat" else ())
+                    value = float(res.get(metric, 0.0))
+                    runs.setdefault((build, label), []).append(value)
                     extra = ", ".join(f"{k} {res.get(k, '-')}" for k in fields)
                     err = "" if res["ok"] else f" FAILED {res.get('error', 'timed out')!r}"
                     print(
-                        f"round {rnd + 1} {label:>4} {build}: {res.get(metric, 0.0):7.1f} {unit}"
+                        f"round {rnd + 1} {label:>4} {build}: {value:7.1f} {unit}"
                         f" ({extra}); load {loadavg()}{err}",
                         flush=True,
                     )
