@@ -9,7 +9,10 @@ use std::path::PathBuf;
 
 #[test]
 fn committed_corpus_replays_without_panics_or_corruption() {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus");
+    // Read at run time (cargo sets it for the test too): a binary the shared
+    // target directory kept from another checkout has that checkout's path baked in.
+    let manifest = std::env::var("CARGO_MANIFEST_DIR").unwrap_or_else(|_| env!("CARGO_MANIFEST_DIR").into());
+    let dir = PathBuf::from(manifest).join("../../fuzz/corpus");
     let mut n = 0;
     for target in std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
         for f in std::fs::read_dir(target.unwrap().path()).unwrap() {
