@@ -130,7 +130,13 @@ int mr_cancel(mr_ep *ep, void *context);
 int mr_poll(mr_ep *ep, struct mr_completion *out, size_t max);
 int mr_wait(mr_ep *ep, int timeout_ms);
 int mr_ep_fd(mr_ep *ep);      /* readable exactly while completions are pending */
-int mr_progress(mr_ep *ep);   /* for progress=manual: do pending I/O now */
+/*
+ * Do pending I/O now in the calling thread and return the completions pending
+ * (or -MR_E*). progress=manual: the only progress. With the progress thread:
+ * done only if that thread is not at it, never waiting, so a thread spinning on
+ * its completions receives and acknowledges without waking another thread.
+ */
+int mr_progress(mr_ep *ep);
 
 size_t mr_max_inject(void);
 uint64_t mr_max_msg_size(void);

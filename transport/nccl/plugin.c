@@ -307,9 +307,17 @@ static int dev_ep(struct mrn_dev *d) {
   return 0;
 }
 
-/* Drain the completion queue onto the ops. Caller holds d->lock. */
+/* Drain the completion queue onto the ops. Caller holds d->lock. NCCL's proxy
+ * thread calls this in a spin: mr_progress lets it receive and acknowledge
+ * itself (never waiting for the transport's progress thread, which a spinning
+ * thread on a busy core would hold off for a time slice). */
 static int progress(struct mrn_dev *d) {
   struct mr_completion c[64];
+  int pending = mr_progress(d->ep);
+  if (pending < 0 && pending != -MR_EAGAIN) {
+    warn_transport("mr_progress", pending);
+    return pending;
+  }
   for (;;) {
     int n = mr_poll(d->ep, c, 64);
     if (n < 0) {

@@ -468,7 +468,10 @@ pub unsafe extern "C" fn mr_ep_fd(ep: *mut c_void) -> c_int {
 
 #[no_mangle]
 pub unsafe extern "C" fn mr_progress(ep: *mut c_void) -> c_int {
-    guard(|| status(ep_or_einval!(ep).progress()))
+    guard(|| match ep_or_einval!(ep).progress() {
+        Ok(pending) => pending.min(c_int::MAX as usize) as c_int,
+        Err(e) => neg(e),
+    })
 }
 
 #[no_mangle]

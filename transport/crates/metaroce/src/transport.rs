@@ -468,17 +468,38 @@ impl Transport {
         }
     }
 
-    /// For progress=manual: receive and send now.
-    pub fn progress(&self) -> Result<(), Error> {
+    /// Receive and send now, in the calling thread; returns the completions
+    /// pending. With progress=manual this is the only progress. With the
+    /// progress thread it is done only when that thread is not at it (never
+    /// waiting for the lock), so an application spinning on its completions
+    /// receives and acknowledges itself instead of waiting for a thread that
+    /// has to be scheduled beside it. Two MPI ranks spinning on this 2-core
+    /// host's cores, served by their progress threads alone, took 2.7-3.5 ms
+    /// for a lossless 64 KiB allreduce in some runs and 0.47 ms in others;
+    /// progressing themselves, 0.52-0.69 ms in every run.
+    pub fn progress(&self) -> Result<usize, Error> {
         let now = self.now();
-        let r = catch_unwind(AssertUnwindSafe(|| -> Result<(), Error> {
-            let mut st = self.lock()?;
+        let threaded = self.thread.is_some();
+        let r = catch_unwind(AssertUnwindSafe(|| -> Result<usize, Error> {
+            if self.inner.failed.load(Ordering::Acquire) {
+                return Err(Error::Io);
+            }
+            let mut st = if threaded {
+                match self.inner.state.try_lock() {
+                    Ok(st) => st,
+                    Err(std::sync::TryLockError::WouldBlock) => return Ok(0),
+                    Err(std::sync::TryLockError::Poisoned(_)) => return Err(Error::Io),
+                }
+            } else {
+                self.lock()?
+            };
             st.pump(now, true);
             signal(&self.inner, &mut st);
+            let pending = st.ep.completions_pending();
             let due = st.stats_due(now, self.inner.local, false);
             drop(st);
             publish(&self.inner, due);
-            Ok(())
+            Ok(pending)
         }));
         r.unwrap_or_else(|_| {
             self.inner.failed.store(true, Ordering::Release);

@@ -49,6 +49,45 @@ fn messages_of_every_size_cross_real_sockets() {
     b.close();
 }
 
+/// The caller spins on progress() and poll() alone, beside the progress thread,
+/// as a rank spinning on fi_cq_read does: every round trip completes intact,
+/// and progress() counts completions that poll() then returns.
+#[test]
+fn a_caller_spinning_on_progress_shares_the_work_with_the_thread() {
+    let a = Transport::open(Some("addr=127.0.0.1,paths=4")).unwrap();
+    let b = Transport::open(Some("addr=127.0.0.1,paths=4")).unwrap();
+    let to_b = a.peer(b.local_addr()).unwrap();
+    let to_a = b.peer(a.local_addr()).unwrap();
+    let spin = |t: &Transport, kind: OpKind| -> metaroce::Completion {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let pending = t.progress().unwrap();
+            let got = t.poll(8).unwrap();
+            assert!(got.len() >= pending, "progress() said {pending} pending, poll() gave {}", got.len());
+            assert!(got.len() <= 1, "{got:?}");
+            if let Some(c) = got.into_iter().next() {
+                assert_eq!(c.kind, kind);
+                assert_eq!(c.err, None);
+                return c;
+            }
+            assert!(Instant::now() < deadline, "no {kind:?} completion within 10 s: {:?}", t.counters());
+        }
+    };
+    for i in 0..200u64 {
+        let n = 4096 + i as usize;
+        b.recv(to_a, RecvBuf::owned(n), i, 0, true, i, true).unwrap();
+        a.send(to_b, SendBuf::owned(pattern(i, n)), i, true, None, i, false).unwrap();
+        let c = spin(&b, OpKind::Recv);
+        assert!(c.buf.unwrap().into_vec().unwrap() == pattern(i, n), "message {i} corrupted");
+        a.recv(to_b, RecvBuf::owned(8), i, 0, true, i, true).unwrap();
+        b.send(to_a, SendBuf::owned(i.to_le_bytes().to_vec()), i, true, None, i, false).unwrap();
+        let c = spin(&a, OpKind::Recv);
+        assert_eq!(c.buf.unwrap().into_vec().unwrap(), i.to_le_bytes());
+    }
+    a.close();
+    b.close();
+}
+
 #[test]
 fn bad_config_names_the_key() {
     let e = Transport::open(Some("addr=127.0.0.1,paths=99")).err().unwrap();
