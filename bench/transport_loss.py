@@ -25,7 +25,7 @@ Prints tables with the load average, writes JSON and an SVG goodput-vs-loss plot
         [--arms udp,tcp[,metaroce]] [--losses 0,0.1,1,3,10] [--no-bursty]
         [--metaroce-provider-path DIR] [--metaroce-perf-server CMD --metaroce-perf-client CMD]
         [--json PATH] [--svg PATH] [--allreduce-idle-timeout 200] [--rounds N]
-        [--allreduce-losses 0,1 | --allreduce-losses none]
+        [--allreduce-losses 0,1 | --allreduce-losses none] [--allreduce-rounds N]
 Run as root (network namespaces). Python 3.11 standard library only.
 """
 
@@ -114,7 +114,7 @@ def pingpong(
 ) -> dict[str, Any]:
     before = fab.counters()
     res = clients.run_pingpong(fab, prov, size, iters, timeout=timeout, provider_path=path)
-    d = res.as_dict()
+    d: dict[str, Any] = res.as_dict()
     d["loss"] = loss_seen(before, fab.counters(), fab)
     if not res.ok and not res.timed_out:
         d["error"] = res.output[-2000:]
@@ -355,6 +355,12 @@ def main() -> int:
     )
     ap.add_argument("--allreduce-budget", type=float, help="seconds of iterations per size")
     ap.add_argument(
+        "--allreduce-rounds",
+        type=int,
+        default=1,
+        help="allreduce jobs per loss, the losses alternating; each size's median round",
+    )
+    ap.add_argument(
         "--allreduce-ranks-per-ns",
         type=int,
         default=2,
@@ -392,6 +398,8 @@ def main() -> int:
     )
     if args.rounds < 1:
         raise SystemExit(f"--rounds {args.rounds}: at least 1")
+    if args.allreduce_rounds < 1:
+        raise SystemExit(f"--allreduce-rounds {args.allreduce_rounds}: at least 1")
     sizes = SIZES_QUICK if q else SIZES_FULL
     arms: dict[str, str] = {}
     for a in args.arms.split(","):
@@ -414,6 +422,7 @@ def main() -> int:
         "loadavg_start": loadavg(),
         "arms": arms,
         "allreduce_ranks": 2 * args.allreduce_ranks_per_ns,
+        "allreduce_rounds": args.allreduce_rounds,
     }
 
     with fabric.MultipathFabric(name=fabric.new_name("mrfb")) as fab:
@@ -453,13 +462,16 @@ def main() -> int:
         capacity = report["capacity"]["total_mbit"]
         report["goodput"] = median_cells(rounds, arms, conds)
 
-        ar: dict[str, dict[str, Any]] = {a: {} for a in arms}
-        for pct in ar_losses:
-            per = round(pct * 100)
-            for a, prov in arms.items():
-                fab.set_impairments([fabric.Impairment("drop", per)] if per else [])
-                ar[a][f"{pct:g}%"] = {
-                    "rows": allreduce(
+        # Rounds alternate the losses (0, 1, 0, 1, ...), so a stretch of host noise
+        # lands on both sides of a ratio; each size's cell is the median round.
+        ar_rounds: dict[str, dict[str, list[list[dict[str, Any]]]]] = {a: {} for a in arms}
+        ar_load: dict[str, dict[str, str]] = {a: {} for a in arms}
+        for r in range(args.allreduce_rounds):
+            for pct in ar_losses:
+                per = round(pct * 100)
+                for a, prov in arms.items():
+                    fab.set_impairments([fabric.Impairment("drop", per)] if per else [])
+                    rows = allreduce(
                         fab,
                         prov,
                         sizes,
@@ -468,12 +480,22 @@ def main() -> int:
                         path_of[a],
                         args.allreduce_keep_going,
                         args.allreduce_ranks_per_ns,
-                    ),
-                    "loadavg": loadavg(),
-                }
-                print(f"  allreduce {a} at {pct:g}% done; load {loadavg()}", flush=True)
+                    )
+                    ar_rounds[a].setdefault(f"{pct:g}%", []).append(rows)
+                    ar_load[a][f"{pct:g}%"] = loadavg()
+                    print(
+                        f"  allreduce {a} at {pct:g}% done (round {r + 1} of "
+                        f"{args.allreduce_rounds}); load {loadavg()}",
+                        flush=True,
+                    )
         fab.set_impairments([])
-        report["allreduce"] = ar
+        report["allreduce"] = {
+            a: {
+                lab: {"rows": median_rounds(runs), "rounds": runs, "loadavg": ar_load[a][lab]}
+                for lab, runs in per_loss.items()
+            }
+            for a, per_loss in ar_rounds.items()
+        }
         report["counters_end"] = fab.counters()
     report["loadavg_end"] = loadavg()
 
@@ -538,6 +560,31 @@ def goodput_round(
                 flush=True,
             )
     return results
+
+
+def median_rounds(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per size, the median of the rounds' medians and p99s (each the lower middle),
+    correct only if every round was; a size stalled in any round is reported stalled."""
+    out: list[dict[str, Any]] = []
+    sizes = list(dict.fromkeys(row["size"] for rows in runs for row in rows))
+    for size in sizes:
+        rows = [row for rows in runs for row in rows if row["size"] == size]
+        stalled = [row for row in rows if row.get("stalled")]
+        if stalled or len(rows) < len(runs):
+            out.append(stalled[0] if stalled else {"size": size, "stalled": True, "why": "missing"})
+            continue
+        mid = (len(rows) - 1) // 2
+        out.append(
+            {
+                "size": size,
+                "iters": sum(int(row["iters"]) for row in rows),
+                "median_s": sorted(float(row["median_s"]) for row in rows)[mid],
+                "p99_s": sorted(float(row["p99_s"]) for row in rows)[mid],
+                "correct": all(row["correct"] for row in rows),
+                "round_medians_s": [float(row["median_s"]) for row in rows],
+            }
+        )
+    return out
 
 
 def median_of(rows: list[dict[str, Any]], key: str, field: str) -> dict[str, Any]:
@@ -653,9 +700,11 @@ def print_tables(
                 f"{r.get('spurious_retransmits', '-')}"
             )
     ranks = int(report.get("allreduce_ranks", 4))
+    n = int(report.get("allreduce_rounds", 1))
     print(
         f"\n== Open MPI allreduce ({ranks} ranks, {ranks // 2} per namespace): "
         "median / p99 ms, data checked"
+        + (f"; each the median of {n} rounds, the losses alternating" if n > 1 else "")
     )
     for a in arms:
         for lab, res in report["allreduce"][a].items():

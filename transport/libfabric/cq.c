@@ -314,6 +314,8 @@ static ssize_t cq_sreadfrom(struct fid_cq *fid, void *buf, size_t count,
 		fds[nfds++] = (struct pollfd){.fd = cq->signal_fd, .events = POLLIN};
 		pthread_mutex_lock(&cq->eps_lock);
 		for (size_t i = 0; i < cq->neps; i++) {
+			/* This reader blocks now: the progress thread takes over. */
+			mr_progress_release(cq->eps[i]->mr);
 			if (cq->eps[i]->fd < 0 || nfds == 16)
 				blind = true;
 			else
@@ -365,6 +367,11 @@ static const char *cq_strerror(struct fid_cq *fid, int prov_errno,
 int mrfi_cq_trywait(struct mrfi_cq *cq)
 {
 	cq_progress(cq);
+	/* The application blocks on the wait fd next: hand progress back. */
+	pthread_mutex_lock(&cq->eps_lock);
+	for (size_t i = 0; i < cq->neps; i++)
+		mr_progress_release(cq->eps[i]->mr);
+	pthread_mutex_unlock(&cq->eps_lock);
 	pthread_mutex_lock(&cq->q_lock);
 	bool busy = cq->q_len != 0;
 	if (!busy)

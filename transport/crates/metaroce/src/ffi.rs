@@ -475,6 +475,14 @@ pub unsafe extern "C" fn mr_progress(ep: *mut c_void) -> c_int {
 }
 
 #[no_mangle]
+pub unsafe extern "C" fn mr_progress_release(ep: *mut c_void) -> c_int {
+    guard(|| {
+        ep_or_einval!(ep).release_progress();
+        0
+    })
+}
+
+#[no_mangle]
 pub unsafe extern "C" fn mr_get_counters(ep: *mut c_void, out: *mut MrCounters) -> c_int {
     guard(|| {
         let t = ep_or_einval!(ep);

@@ -6,7 +6,7 @@ use std::io;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -22,6 +22,12 @@ use crate::udp::{self, PathSocket, BATCH, MAX_DATAGRAM};
 const TX_BUDGET: usize = 1024;
 /// Receive batches per socket per pump.
 const RX_BATCHES: usize = 8;
+/// The application progressed the endpoint itself within this long: it is
+/// spinning on its completions, and the progress thread stands by.
+const APP_ACTIVE: Micros = 50;
+/// How often a standing-by progress thread looks whether the application still
+/// progresses (a look is an atomic load: no lock, no socket).
+const STANDBY_CHECK: Micros = 250;
 /// How long close() waits for unacknowledged data.
 const LINGER: Duration = Duration::from_secs(2);
 /// Between the final ACKs and CLOSE.
@@ -64,6 +70,8 @@ struct Inner {
     cq_fd: OwnedFd,
     stop: AtomicBool,
     failed: AtomicBool,
+    /// When the application last called `progress` (0: not since it blocked).
+    app_progress_at: AtomicU64,
     clock0: Instant,
     local: SocketAddr,
     /// The stats file's last write error, reported once per kind.
@@ -313,6 +321,7 @@ impl Transport {
             cq_fd: eventfd().map_err(|e| format!("eventfd: {e}"))?,
             stop: AtomicBool::new(false),
             failed: AtomicBool::new(false),
+            app_progress_at: AtomicU64::new(0),
             clock0: Instant::now(),
             local,
             stats_error: Mutex::new(None),
@@ -358,7 +367,11 @@ impl Transport {
         }));
         match r {
             Ok(r) => {
-                efd_write(self.inner.wake.as_raw_fd());
+                // A spinning application sends, receives and runs the timers
+                // itself; waking the thread would only contend with it.
+                if !app_active(&self.inner, now) {
+                    efd_write(self.inner.wake.as_raw_fd());
+                }
                 r
             }
             Err(_) => {
@@ -439,6 +452,7 @@ impl Transport {
 
     /// Block until a completion is pending or `timeout` passes (None: forever).
     pub fn wait(&self, timeout: Option<Duration>) -> Result<bool, Error> {
+        self.release_progress();
         let deadline = timeout.map(|t| Instant::now() + t);
         let mut st = self.lock()?;
         loop {
@@ -484,6 +498,9 @@ impl Transport {
             if self.inner.failed.load(Ordering::Acquire) {
                 return Err(Error::Io);
             }
+            if threaded {
+                self.inner.app_progress_at.store(now.max(1), Ordering::Relaxed);
+            }
             let mut st = if threaded {
                 match self.inner.state.try_lock() {
                     Ok(st) => st,
@@ -505,6 +522,14 @@ impl Transport {
             self.inner.failed.store(true, Ordering::Release);
             Err(Error::Io)
         })
+    }
+
+    /// The application stops progressing (it is about to block, on `wait` or on
+    /// `cq_fd`): the progress thread takes over now, not at its next look.
+    pub fn release_progress(&self) {
+        if self.thread.is_some() && self.inner.app_progress_at.swap(0, Ordering::Relaxed) != 0 {
+            efd_write(self.inner.wake.as_raw_fd());
+        }
     }
 
     pub fn cq_fd(&self) -> RawFd {
@@ -603,9 +628,35 @@ fn publish(inner: &Inner, due: Option<(StatsFile, String)>) {
     }
 }
 
+fn app_active(inner: &Inner, now: Micros) -> bool {
+    let at = inner.app_progress_at.load(Ordering::Relaxed);
+    at != 0 && now.saturating_sub(at) < APP_ACTIVE
+}
+
+/// Sleep until `wake` is written or `us` passes.
+fn sleep_on(fds: &mut [libc::pollfd], us: Micros) {
+    let ts = libc::timespec { tv_sec: (us / 1_000_000) as libc::time_t, tv_nsec: ((us % 1_000_000) * 1000) as libc::c_long };
+    // SAFETY: fds is a valid array; ts a valid timespec.
+    unsafe { libc::ppoll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, &ts, std::ptr::null()) };
+}
+
+/// Receives, acknowledges, retransmits and paces while the application does not.
+/// While it spins on its completions (`progress`) the thread stands by off the
+/// sockets: its wake-ups for every packet, and its holding the lock the
+/// spinning thread then found taken, gave a 1 KiB allreduce between two ranks
+/// on this 2-core host a median of 40-80 us and a p90 of 130-380 us, against
+/// 28 and 41 us with no thread at all.
 fn progress_loop(inner: Arc<Inner>) {
     let mut fds: Vec<libc::pollfd> = Vec::new();
     while !inner.stop.load(Ordering::Acquire) {
+        if app_active(&inner, inner.clock0.elapsed().as_micros() as Micros) {
+            let mut wake = [libc::pollfd { fd: inner.wake.as_raw_fd(), events: libc::POLLIN, revents: 0 }];
+            sleep_on(&mut wake, STANDBY_CHECK);
+            if wake[0].revents != 0 {
+                efd_drain(inner.wake.as_raw_fd());
+            }
+            continue;
+        }
         let r = catch_unwind(AssertUnwindSafe(|| -> Option<Micros> {
             let mut st = inner.state.lock().ok()?;
             let now = inner.clock0.elapsed().as_micros() as Micros;
@@ -629,9 +680,7 @@ fn progress_loop(inner: Arc<Inner>) {
             }
         };
         fds.push(libc::pollfd { fd: inner.wake.as_raw_fd(), events: libc::POLLIN, revents: 0 });
-        let ts = libc::timespec { tv_sec: (wait_us / 1_000_000) as libc::time_t, tv_nsec: ((wait_us % 1_000_000) * 1000) as libc::c_long };
-        // SAFETY: fds is a valid array; ts a valid timespec.
-        unsafe { libc::ppoll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, &ts, std::ptr::null()) };
+        sleep_on(&mut fds, wait_us);
         if fds.last().is_some_and(|f| f.revents != 0) {
             efd_drain(inner.wake.as_raw_fd());
         }

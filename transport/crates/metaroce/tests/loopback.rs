@@ -88,6 +88,37 @@ fn a_caller_spinning_on_progress_shares_the_work_with_the_thread() {
     b.close();
 }
 
+/// A receiver that spun on progress() and then computes, calling nothing on the
+/// endpoint: its progress thread, standing by while the spinning went on, takes
+/// over and acknowledges, so the sender's message completes meanwhile.
+#[test]
+fn a_receiver_that_stops_progressing_is_acknowledged_by_its_thread() {
+    let a = Transport::open(Some("addr=127.0.0.1,paths=4")).unwrap();
+    let b = Transport::open(Some("addr=127.0.0.1,paths=4")).unwrap();
+    let to_b = a.peer(b.local_addr()).unwrap();
+    let from_a = b.peer(a.local_addr()).unwrap();
+    let n = 1 << 20;
+    b.recv(from_a, RecvBuf::owned(n), 1, 0, true, 1, true).unwrap();
+    let spun = Instant::now();
+    while spun.elapsed() < Duration::from_millis(20) {
+        b.progress().unwrap();
+    }
+    // b computes from here on: nothing is called on it until the send completed.
+    let t0 = Instant::now();
+    a.send(to_b, SendBuf::owned(pattern(1, n)), 1, true, None, 1, true).unwrap();
+    let sent = wait_for(&a, 1, Duration::from_secs(5));
+    let took = t0.elapsed();
+    assert_eq!(sent.len(), 1, "no send completion while the receiver computed: {:?}", a.counters());
+    assert_eq!(sent[0].err, None);
+    assert!(took < Duration::from_secs(1), "the send took {took:?}");
+    let got = b.poll(4).unwrap();
+    assert_eq!(got.len(), 1);
+    assert!(got.into_iter().next().unwrap().buf.unwrap().into_vec().unwrap() == pattern(1, n));
+    assert_eq!(a.counters().unwrap().0.rtos, 0, "{:?}", a.counters());
+    a.close();
+    b.close();
+}
+
 #[test]
 fn bad_config_names_the_key() {
     let e = Transport::open(Some("addr=127.0.0.1,paths=99")).err().unwrap();
