@@ -1,10 +1,14 @@
 //! metaroce-perf: bandwidth and latency between two hosts over the MetaRoCE
 //! transport, printed like perftest's ib_write_bw (or as JSON).
 //!
-//!   metaroce-perf server [--config K=V,...] [--once | --sessions N]   (clients served at once)
+//!   metaroce-perf server [--config K=V,...] [--once | --sessions N] [--busy-poll]
+//!                        (clients served at once)
 //!   metaroce-perf client SERVER [--mode bw|lat] [--size BYTES] [--duration SECONDS]
 //!                        [--iters N] [--window N] [--config K=V,...] [--json]
 //!                        [--bins-ms MS]   (bw: goodput per MS-long bin, in the JSON)
+//!                        [--busy-poll]   (spin on the endpoint, as ib_write_bw polls
+//!                                         its CQ and MPI ranks spin: the tool's own
+//!                                         thread progresses it; default: block)
 //!
 //! SERVER is the address the server prints (udp://IP:PORT or IP:PORT).
 
@@ -36,10 +40,12 @@ struct Args {
     /// Server: exit after this many sessions ended (0: serve forever).
     sessions: u64,
     bins_ms: u64,
+    /// Spin on `progress` and `poll` instead of blocking in `wait`.
+    busy_poll: bool,
 }
 
 fn usage() -> String {
-    "usage: metaroce-perf server [--config K=V,...] [--once | --sessions N]\n       metaroce-perf client SERVER [--mode bw|lat] [--size BYTES] [--duration SECONDS] [--iters N] [--window N] [--config K=V,...] [--json] [--bins-ms MS]".into()
+    "usage: metaroce-perf server [--config K=V,...] [--once | --sessions N] [--busy-poll]\n       metaroce-perf client SERVER [--mode bw|lat] [--size BYTES] [--duration SECONDS] [--iters N] [--window N] [--config K=V,...] [--json] [--bins-ms MS] [--busy-poll]".into()
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -60,6 +66,7 @@ fn parse_args() -> Result<Args, String> {
         json: false,
         sessions: 0,
         bins_ms: 0,
+        busy_poll: false,
     };
     while let Some(k) = it.next() {
         let mut val = |name: &str| it.next().ok_or_else(|| format!("{name} needs a value"));
@@ -88,6 +95,7 @@ fn parse_args() -> Result<Args, String> {
                 }
             }
             "--once" => a.sessions = 1,
+            "--busy-poll" => a.busy_poll = true,
             "--sessions" => {
                 a.sessions = val("--sessions")?.parse().map_err(|_| "--sessions: a count of client sessions".to_string())?;
                 if a.sessions == 0 {
@@ -107,8 +115,19 @@ fn parse_args() -> Result<Args, String> {
     Ok(a)
 }
 
+/// Until a completion may be pending: spinning on `progress` (`busy`), else
+/// blocking in `wait` for at most `block`.
+fn await_completions(t: &Transport, busy: bool, block: Duration) -> Result<(), metaroce::Error> {
+    if busy {
+        t.progress().map(|_| ())
+    } else {
+        t.wait(Some(block)).map(|_| ())
+    }
+}
+
 fn wait_one(
     t: &Transport,
+    busy: bool,
     pending: &mut Vec<Completion>,
     pred: impl Fn(&Completion) -> bool,
     timeout: Duration,
@@ -121,7 +140,7 @@ fn wait_one(
         if Instant::now() > deadline {
             return Err(format!("timed out after {timeout:?} (counters: {:?})", t.counters().map(|c| c.0)));
         }
-        t.wait(Some(Duration::from_millis(20))).map_err(|e| format!("{e:?}"))?;
+        await_completions(t, busy, Duration::from_millis(20)).map_err(|e| format!("{e:?}"))?;
         pending.extend(t.poll(256).map_err(|e| format!("{e:?}"))?);
     }
 }
@@ -173,7 +192,8 @@ fn server(a: &Args) -> Result<(), String> {
     let mut ended = 0u64;
     t.recv(ANY_PEER, RecvBuf::owned(CTRL_LEN), TAG_HELLO, 0, true, CTX_HELLO, true).map_err(e)?;
     loop {
-        t.wait(Some(Duration::from_millis(100))).map_err(e)?;
+        // Spin only while a client is being served: an idle server blocks.
+        await_completions(&t, a.busy_poll && !sessions.is_empty(), Duration::from_millis(100)).map_err(e)?;
         for c in t.poll(256).map_err(e)? {
             if c.kind != OpKind::Recv {
                 continue;
@@ -299,7 +319,7 @@ fn client(a: &Args) -> Result<bool, String> {
     let mut pending = Vec::new();
     t.recv(peer, RecvBuf::owned(CTRL_LEN), TAG_READY, 0, true, 1, true).map_err(|e| format!("{e:?}"))?;
     ctrl(&t, peer, TAG_HELLO, &format!("mode={} size={} window={}", a.mode, a.size, a.window))?;
-    wait_one(&t, &mut pending, |c| c.kind == OpKind::Recv && c.tag == TAG_READY, Duration::from_secs(10))
+    wait_one(&t, a.busy_poll, &mut pending, |c| c.kind == OpKind::Recv && c.tag == TAG_READY, Duration::from_secs(10))
         .map_err(|e| format!("no answer from the server at {server}: {e}"))?;
     let (c0, _) = t.counters().map_err(|e| format!("{e:?}"))?;
     let payload = vec![0xa5u8; a.size];
@@ -327,7 +347,7 @@ fn client(a: &Args) -> Result<bool, String> {
                 t.send(peer, SendBuf::owned(payload.clone()), TAG_DATA, true, None, 10, true).map_err(|e| format!("{e:?}"))?;
                 inflight += 1;
             }
-            let c = wait_one(&t, &mut pending, |c| c.kind == OpKind::Send && c.context == 10, Duration::from_secs(30))?;
+            let c = wait_one(&t, a.busy_poll, &mut pending, |c| c.kind == OpKind::Send && c.context == 10, Duration::from_secs(30))?;
             if let Some(e) = c.err {
                 return Err(format!("send failed: {e:?}"));
             }
@@ -337,7 +357,7 @@ fn client(a: &Args) -> Result<bool, String> {
             count_acked(&mut acked_bins)?;
         }
         while inflight > 0 {
-            wait_one(&t, &mut pending, |c| c.kind == OpKind::Send && c.context == 10, Duration::from_secs(30))?;
+            wait_one(&t, a.busy_poll, &mut pending, |c| c.kind == OpKind::Send && c.context == 10, Duration::from_secs(30))?;
             inflight -= 1;
             msgs += 1;
             count_bin(&mut bins, a.bins_ms, start, a.size);
@@ -351,7 +371,7 @@ fn client(a: &Args) -> Result<bool, String> {
             t.recv(peer, RecvBuf::owned(a.size), TAG_PONG, 0, true, 20, true).map_err(|e| format!("{e:?}"))?;
             let t0 = Instant::now();
             t.send(peer, SendBuf::owned(payload.clone()), TAG_DATA, true, None, 0, false).map_err(|e| format!("{e:?}"))?;
-            wait_one(&t, &mut pending, |c| c.kind == OpKind::Recv && c.tag == TAG_PONG, Duration::from_secs(30))?;
+            wait_one(&t, a.busy_poll, &mut pending, |c| c.kind == OpKind::Recv && c.tag == TAG_PONG, Duration::from_secs(30))?;
             lat_us.push(t0.elapsed().as_secs_f64() * 1e6 / 2.0);
             msgs += 1;
         }
@@ -360,7 +380,8 @@ fn client(a: &Args) -> Result<bool, String> {
     let paths = t.path_stats(peer).map_err(|e| format!("{e:?}"))?;
     t.recv(peer, RecvBuf::owned(CTRL_LEN), TAG_STATS, 0, true, 3, true).map_err(|e| format!("{e:?}"))?;
     ctrl(&t, peer, TAG_END, "end")?;
-    let stats = kv(&text(wait_one(&t, &mut pending, |c| c.kind == OpKind::Recv && c.tag == TAG_STATS, Duration::from_secs(10))?));
+    let stats =
+        kv(&text(wait_one(&t, a.busy_poll, &mut pending, |c| c.kind == OpKind::Recv && c.tag == TAG_STATS, Duration::from_secs(10))?));
     // Counted up to the server's stats, as the server counts its duplicates up to our
     // END: a resend after the last completion is still a resend (else "spurious"
     // could exceed the retransmits).
