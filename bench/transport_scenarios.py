@@ -240,6 +240,7 @@ def incast(inc: fabric.IncastFabric, perf_bin: str, capacity: float, hint: bool)
     total = sum(per.values())
     sent = sum(int(d["packets_sent"]) for d in docs.values())
     retx = sum(int(d["retransmits"]) for d in docs.values())
+    spurious = sum(int(d["spurious_retransmits"]) for d in docs.values())
     return {
         "rate_hint_mbit": inc.rate_mbit if hint else 0,
         "per_sender_mbit": per,
@@ -248,6 +249,9 @@ def incast(inc: fabric.IncastFabric, perf_bin: str, capacity: float, hint: bool)
         "total_of_port_rate": total / inc.rate_mbit,
         "share_max_over_min": max(per.values()) / min(per.values()) if min(per.values()) else None,
         "retransmits_of_sent": retx / sent if sent else None,
+        "spurious_of_sent": spurious / sent if sent else None,
+        "rtos": sum(int(d["rtos"]) for d in docs.values()),
+        "tlps": sum(int(d["tlps"]) for d in docs.values()),
     }
 
 
@@ -302,7 +306,9 @@ def incast_scenarios(runs: int, perf_bin: str, report: dict[str, Any]) -> None:
                     f"{row['total_mbit']:.0f} Mbit/s = {row['total_of_capacity']:.3f} of the "
                     f"port's {cap:.0f} ({row['total_of_port_rate']:.3f} of its tbf rate); "
                     f"senders {per} (max/min {row['share_max_over_min']:.2f}); "
-                    f"retransmits {row['retransmits_of_sent']:.4f} | load {row['loadavg']}",
+                    f"retransmits {row['retransmits_of_sent']:.4f} (spurious "
+                    f"{row['spurious_of_sent']:.4f}, {row['rtos']} RTOs, {row['tlps']} TLPs) "
+                    f"| load {row['loadavg']}",
                     flush=True,
                 )
 
