@@ -36,6 +36,10 @@ pub const ACK_FLUSH_MIN: u32 = 4;
 /// allreduce took 2.9x its lossless time at 1% loss. Runs of 8 make one loss in
 /// 8 a tail, keep every path in use, and batch 8 packets per socket send.
 pub const RUN_PACKETS: u32 = 8;
+/// What a datagram costs the receiver's link beyond the transport's own bytes:
+/// the Ethernet (14), IPv4 (20) and UDP (8) headers. The rate hint is a link's
+/// rate, so the cap counts them (for IPv6 it still under-counts 20 bytes).
+pub const LINK_OVERHEAD: u64 = 42;
 /// Redundant ACK entries per ACK beyond the paths that changed.
 pub const EXTRA_ACK_ENTRIES: usize = 2;
 
@@ -1024,6 +1028,8 @@ impl Connection {
         (wire::write_ack(buf, &h, &ack), path, false)
     }
 
+    /// Whether the receiver's rate hint leaves room for a datagram of `bytes`
+    /// (the transport's bytes; the link's headers are added here).
     fn cap_allows(&mut self, now: Micros, bytes: u64) -> bool {
         if self.rate_cap <= 0.0 {
             return true;
@@ -1031,7 +1037,17 @@ impl Connection {
         let burst = (self.rate_cap * crate::path::PACING_SLICE as f64).max(2.0 * 9216.0);
         self.cap_tokens = (self.cap_tokens + now.saturating_sub(self.cap_tokens_at) as f64 * self.rate_cap).min(burst);
         self.cap_tokens_at = now;
-        self.cap_tokens >= bytes as f64
+        self.cap_tokens >= (bytes + LINK_OVERHEAD) as f64
+    }
+
+    /// A datagram sent under the cap. Resends and probes go without waiting for
+    /// it (they are what the receiver waits on) but are charged all the same:
+    /// left out, they came on top of the hint, and the losses they repaired
+    /// bred more of them at the receiver's port.
+    fn charge_cap(&mut self, bytes: u64) {
+        if self.rate_cap > 0.0 {
+            self.cap_tokens -= (bytes + LINK_OVERHEAD) as f64;
+        }
     }
 
     /// A path that can carry `bytes` now, round robin. Suspect paths (recent loss
@@ -1109,6 +1125,8 @@ impl Connection {
             }
             self.probes.pop_front();
             let is_retx = f != Frame::Ping;
+            let bytes = self.frame_bytes(&f);
+            self.charge_cap(bytes);
             if is_retx {
                 // A tail-loss probe is a copy sent again like any resend: counted as one, so
                 // the receiver's duplicates (`dup_rcvd`) are always a share of `retransmits`.
@@ -1134,6 +1152,7 @@ impl Connection {
             let bytes = self.frame_bytes(&f);
             let path = self.choose_path(now, bytes, Some(avoid))?;
             self.retx.pop_front();
+            self.charge_cap(bytes);
             out.counters.retransmits += 1;
             return Some(self.write_frame(now, buf, f, path, true, out));
         }
@@ -1185,7 +1204,7 @@ impl Connection {
                 }
                 _ => {}
             }
-            self.cap_tokens -= bytes as f64;
+            self.charge_cap(bytes);
             return Some(self.write_frame(now, buf, frame, path, false, out));
         }
         None

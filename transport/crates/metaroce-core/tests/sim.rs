@@ -178,6 +178,28 @@ fn random_loss_in_both_directions_keeps_goodput() {
     }
 }
 
+/// The receiver's rate hint caps what the sender puts on the receiver's link,
+/// resends and the link's own headers included: left out, the resends at 10%
+/// loss came on top of the hint.
+#[test]
+fn the_rate_hint_caps_resends_and_headers_too() {
+    let hint_mbps = 200;
+    let mut links = four_links(20, 31.25);
+    for l in &mut links {
+        l.loss = 0.10;
+    }
+    let mut sim = Sim::two(Config { rate_mbps: hint_mbps, ..cfg() }, links, 7);
+    let sizes = vec![1 << 20; 16];
+    let out = transfer(&mut sim, 0, 1, &sizes, 60 * SEC);
+    let c = sim.eps[0].counters();
+    let per_packet = (metaroce_core::wire::DATA_OVERHEAD as u64 + metaroce_core::connection::LINK_OVERHEAD) * c.pkts_sent;
+    let link_mbps = (c.bytes_sent + per_packet) as f64 * 8.0 / out.took as f64;
+    println!("hint {hint_mbps} Mbit/s: the link carried {link_mbps:.1}; {c:?}");
+    assert!(c.retransmits * 20 > c.pkts_sent, "expected about 10% resends: {c:?}");
+    assert!(link_mbps <= hint_mbps as f64 * 1.02, "{link_mbps:.1} Mbit/s on the link against a hint of {hint_mbps}");
+    assert!(link_mbps >= hint_mbps as f64 * 0.8, "the cap starved the sender: {link_mbps:.1} Mbit/s");
+}
+
 #[test]
 fn bursty_loss_is_recovered() {
     let mut links = four_links(20, 31.25);
