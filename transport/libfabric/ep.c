@@ -108,19 +108,12 @@ int mrfi_ep_progress(struct mrfi_ep *ep, const struct mrfi_cq *poller)
 	 * pending. When it is not, the reader receives and acknowledges itself
 	 * (mr_progress: skipped while the progress thread holds the endpoint),
 	 * so a spinning rank needs no wake-up of that thread, which waits for
-	 * the spinner's time slice on a busy core. Every 256th idle call polls
-	 * anyway, so that a failed endpoint (-MR_EIO) is still reported. */
+	 * the spinner's time slice on a busy core. A failed endpoint makes
+	 * mr_progress fail, and mr_poll below reports it. */
 	if (ep->fd >= 0) {
 		struct pollfd p = {.fd = ep->fd, .events = POLLIN};
-		if (poll(&p, 1, 0) == 0) {
-			int pending = mr_progress(ep->mr);
-			if (pending < 0)
-				return mrfi_err(pending);
-			if (pending == 0 &&
-			    (__atomic_add_fetch(&ep->idle_polls, 1,
-						__ATOMIC_RELAXED) & 255))
-				return 0;
-		}
+		if (poll(&p, 1, 0) == 0 && mr_progress(ep->mr) == 0)
+			return 0;
 	}
 	pthread_mutex_lock(&ep->poll_lock);
 	do {

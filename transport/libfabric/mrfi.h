@@ -192,7 +192,6 @@ struct mrfi_ep {
 	struct mrfi_domain *domain;
 	mr_ep *mr;
 	int fd; /* mr_ep_fd: readable while completions are pending, or -1 */
-	unsigned idle_polls; /* reads that found the fd idle (atomic) */
 	uint64_t caps;
 	uint64_t tx_op_flags, rx_op_flags;
 	size_t max_inject;

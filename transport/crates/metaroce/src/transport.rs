@@ -495,13 +495,11 @@ impl Transport {
         let now = self.now();
         let threaded = self.thread.is_some();
         let r = catch_unwind(AssertUnwindSafe(|| -> Result<usize, Error> {
-            if self.inner.failed.load(Ordering::Acquire) {
-                return Err(Error::Io);
-            }
-            if threaded {
-                self.inner.app_progress_at.store(now.max(1), Ordering::Relaxed);
-            }
             let mut st = if threaded {
+                if self.inner.failed.load(Ordering::Acquire) {
+                    return Err(Error::Io);
+                }
+                self.inner.app_progress_at.store(now.max(1), Ordering::Relaxed);
                 match self.inner.state.try_lock() {
                     Ok(st) => st,
                     Err(std::sync::TryLockError::WouldBlock) => return Ok(0),

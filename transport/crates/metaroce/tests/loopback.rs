@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use metaroce::{OpKind, RecvBuf, SendBuf, Transport};
+use metaroce::{OpKind, PeerId, RecvBuf, SendBuf, Transport};
 
 fn pattern(seed: u64, n: usize) -> Vec<u8> {
     (0..n).map(|i| (seed.wrapping_mul(31).wrapping_add(i as u64 * 13)) as u8).collect()
@@ -19,12 +19,19 @@ fn wait_for(t: &Transport, n: usize, within: Duration) -> Vec<metaroce::Completi
     out
 }
 
-#[test]
-fn messages_of_every_size_cross_real_sockets() {
+/// Two endpoints on loopback over 4 paths, each with the other as a peer: (a, b,
+/// a's peer b, b's peer a).
+fn pair() -> (Transport, Transport, PeerId, PeerId) {
     let a = Transport::open(Some("addr=127.0.0.1,paths=4")).unwrap();
     let b = Transport::open(Some("addr=127.0.0.1,paths=4")).unwrap();
     let to_b = a.peer(b.local_addr()).unwrap();
-    let from_a = b.peer(a.local_addr()).unwrap();
+    let to_a = b.peer(a.local_addr()).unwrap();
+    (a, b, to_b, to_a)
+}
+
+#[test]
+fn messages_of_every_size_cross_real_sockets() {
+    let (a, b, to_b, from_a) = pair();
     let sizes = [0usize, 1, 1400, 9000, 65536, 65537, 1 << 20, 16 << 20];
     for (i, &n) in sizes.iter().enumerate() {
         b.recv(from_a, RecvBuf::owned(n), i as u64, 0, true, i as u64, true).unwrap();
@@ -54,10 +61,7 @@ fn messages_of_every_size_cross_real_sockets() {
 /// and progress() counts completions that poll() then returns.
 #[test]
 fn a_caller_spinning_on_progress_shares_the_work_with_the_thread() {
-    let a = Transport::open(Some("addr=127.0.0.1,paths=4")).unwrap();
-    let b = Transport::open(Some("addr=127.0.0.1,paths=4")).unwrap();
-    let to_b = a.peer(b.local_addr()).unwrap();
-    let to_a = b.peer(a.local_addr()).unwrap();
+    let (a, b, to_b, to_a) = pair();
     let spin = |t: &Transport, kind: OpKind| -> metaroce::Completion {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
@@ -93,10 +97,7 @@ fn a_caller_spinning_on_progress_shares_the_work_with_the_thread() {
 /// over and acknowledges, so the sender's message completes meanwhile.
 #[test]
 fn a_receiver_that_stops_progressing_is_acknowledged_by_its_thread() {
-    let a = Transport::open(Some("addr=127.0.0.1,paths=4")).unwrap();
-    let b = Transport::open(Some("addr=127.0.0.1,paths=4")).unwrap();
-    let to_b = a.peer(b.local_addr()).unwrap();
-    let from_a = b.peer(a.local_addr()).unwrap();
+    let (a, b, to_b, from_a) = pair();
     let n = 1 << 20;
     b.recv(from_a, RecvBuf::owned(n), 1, 0, true, 1, true).unwrap();
     let spun = Instant::now();
