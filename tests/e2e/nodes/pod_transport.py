@@ -53,6 +53,11 @@ _RUN_FIELDS = (
 )
 
 
+NODE_ARM_OWN = ("ports", "addr", "stats_dir")
+"""`MR_CONFIG` keys the node arm sets itself (`metaroce_perf`'s ports and address; no
+stats); it takes the rest, so both arms run the same paths, MTU, DSCP and timers."""
+
+
 def measure(
     kube: Kube,
     guests: tuple[Guest, Guest],
@@ -66,7 +71,7 @@ def measure(
     rxe_runs: int = 0,
 ) -> Arms:
     """Interleaved runs: lossless (pod and node arms, rxe), then 1% netem loss (pod arm,
-    rxe). ``mr_config`` carries the network's paths and MSS into the node arm. The
+    rxe). ``mr_config`` carries the network's transport settings into the node arm. The
     nodes' socket buffer caps are raised for the pods' sockets (``socket_buffers``).
 
     The defaults keep the e2e tier short: its floors catch breakage, and the figures the
@@ -75,8 +80,8 @@ def measure(
     perf = stage_perf()
     arms = Arms()
     had_rxe = [g.run(f"rdma link show {RXE}/1", timeout=30).returncode == 0 for g in guests]
-    node_config = ",".join(
-        kv for kv in mr_config.split(",") if kv.split("=", 1)[0] in ("paths", "mss")
+    node_config = ",".join(  # the network's transport settings; the node arm's own ports
+        kv for kv in mr_config.split(",") if kv and kv.split("=", 1)[0] not in NODE_ARM_OWN
     )
     try:
         with socket_buffers(guests):

@@ -53,6 +53,7 @@ from metaroce_api import constants
 from metaroce_harness import chart
 from metaroce_harness.cluster import ensure_binaries
 from metaroce_harness.guest_transport import NETEM_DELAY_MS, clear_qdisc, set_netem
+from metaroce_harness.nodes import RealNodes
 from metaroce_harness.pods import (
     RXE,
     LinkCounters,
@@ -1032,13 +1033,13 @@ PN_POD_NAMESPACE = "e2e-podnet"
 MULTUS_STATUS = "k8s.v1.cni.cncf.io/network-status"
 
 
-def _podnet_network() -> str:
+def _podnet_network(mode: str) -> str:
     doc = yaml.safe_load(_metaroce_network())
     doc["metadata"]["name"] = PN_NETWORK
     doc["spec"]["attachment"] = {
         "resourceName": PN_RESOURCE,
         "podsPerDevice": 4,
-        "podNetwork": {"mode": "macvlan", "subnet": PN_SUBNET},
+        "podNetwork": {"mode": mode, "subnet": PN_SUBNET},
     }
     return str(yaml.safe_dump(doc))
 
@@ -1065,19 +1066,29 @@ def _mr0(pod: dict[str, Any]) -> str:
 def test_6_pods_reach_the_data_nic_through_multus(
     kube: Kube, operator: None, figures: list[str]
 ) -> None:
-    """A metaroce network with podNetwork macvlan: the operator renders its NAD and gives
-    each node a block of the subnet, the agents write the nodes' CNI configuration, the
-    webhook adds the pods' Multus entry, and two annotated pods get `mr0` on the node's
-    eth0 with an address of their node's block. metaroce-perf between those addresses
-    moves its bytes through mr0 (the pods' interface counters), not through the pod
-    network's eth0; deleting the network (cleanupOnDelete) removes the nodes' CNI
+    """A metaroce network with podNetwork macvlan, then the same with ipvlan: the
+    operator renders its NAD and gives each node a block of the subnet, the agents write
+    the nodes' CNI configuration, the webhook adds the pods' Multus entry, and two
+    annotated pods get `mr0` on the node's eth0 with an address of their node's block.
+    metaroce-perf between those addresses moves its bytes through mr0 (the pods'
+    interface counters), not through the pod network's eth0, and pod ÷ node goodput is
+    measured for each mode; deleting the network (cleanupOnDelete) removes the nodes' CNI
     configuration and the blocks."""
     real = kube.real_nodes
     if real is None or real.guests is None:
         pytest.skip("Multus is the harness's: an external cluster brings its own (docs/kind.md)")
+    for mode in ("macvlan", "ipvlan"):
+        _podnet_round(kube, real, mode, figures, host_pod=mode == "macvlan")
+
+
+def _podnet_round(
+    kube: Kube, real: RealNodes, mode: str, figures: list[str], *, host_pod: bool
+) -> None:
+    """test_6 with one attachment mode, from apply to the network's cleanup."""
+    assert real.guests is not None
     nodes = kube.nodes[:2]
     kube.kubectl("delete", "metarocenetwork", PN_NETWORK, "--ignore-not-found", timeout=240)
-    kube.kubectl("apply", "-f", "-", input=_podnet_network())
+    kube.kubectl("apply", "-f", "-", input=_podnet_network(mode))
     conf = f"/etc/cni/multus/net.d/metaroce-{PN_NETWORK}.conf"
     try:
         took = _wait(
@@ -1085,7 +1096,7 @@ def test_6_pods_reach_the_data_nic_through_multus(
             lambda: _pn_ready_nodes(kube) == sorted(nodes),
             420,
         )
-        figures.append(f"podNetwork macvlan: NodeStates Ready {took:.1f} s after apply")
+        figures.append(f"podNetwork {mode}: NodeStates Ready {took:.1f} s after apply")
         node_objs = {
             n: json.loads(kube.kubectl("get", "node", n, "-o", "json").stdout) for n in nodes
         }
@@ -1103,7 +1114,7 @@ def test_6_pods_reach_the_data_nic_through_multus(
         assert not (nad.get("spec") or {}).get("config"), nad
         for g, n in zip(real.guests, nodes, strict=False):
             written = json.loads(g.run(f"cat {conf}", check=True).stdout)
-            assert written["type"] == "macvlan" and written["master"] == "eth0", written
+            assert written["type"] == mode and written["master"] == "eth0", written
             ipam = written["ipam"]["ranges"][0][0]
             assert ipam["subnet"] == PN_SUBNET, written
             assert ipam["rangeStart"].rsplit(".", 1)[0] == blocks[n].rsplit(".", 1)[0]
@@ -1127,7 +1138,7 @@ def test_6_pods_reach_the_data_nic_through_multus(
         took = _wait(
             "both podnet pods Ready", lambda: all(pod_ready(get(n)) for n in names), 240, 1
         )
-        figures.append(f"podNetwork macvlan: both pods Ready {took:.1f} s after create")
+        figures.append(f"podNetwork {mode}: both pods Ready {took:.1f} s after create")
         pods = {n: get(n) for n in names}
         ips = (_mr0(pods["pn-a"]), _mr0(pods["pn-b"]))
         for name, node, ip in zip(names, nodes, ips, strict=True):
@@ -1142,16 +1153,19 @@ def test_6_pods_reach_the_data_nic_through_multus(
             env = dict(line.split("=", 1) for line in run(name, "env").splitlines() if "=" in line)
             assert env["FI_METAROCE_IFACE"] == "mr0" and env["MR_NCCL_IFNAME"] == "=mr0", env
             assert run(name, "cat /sys/class/net/mr0/operstate").strip() in ("up", "unknown")
-        figures.append(f"podNetwork macvlan: mr0 {ips[0]} on {nodes[0]}, {ips[1]} on {nodes[1]}")
-        # a hostNetwork pod of the same network: no attachment, the transport binds the netdev
-        host = annotated_pod("pn-host", PN_POD_NAMESPACE, nodes[0], kube.test_image, PN_NETWORK)
-        host["spec"]["hostNetwork"] = True
-        kube.kubectl("apply", "-f", "-", input=yaml.safe_dump(host))
-        _wait("the hostNetwork pod Ready", lambda: pod_ready(get("pn-host")), 240, 1)
-        assert "k8s.v1.cni.cncf.io/networks" not in get("pn-host")["metadata"]["annotations"]
-        env = dict(line.split("=", 1) for line in run("pn-host", "env").splitlines() if "=" in line)
-        assert env["FI_METAROCE_IFACE"] == "eth0" and env["MR_NCCL_IFNAME"] == "=eth0", env
-        kube.kubectl("delete", "pod", "pn-host", "-n", PN_POD_NAMESPACE, "--wait=false")
+        figures.append(f"podNetwork {mode}: mr0 {ips[0]} on {nodes[0]}, {ips[1]} on {nodes[1]}")
+        if host_pod:
+            # a hostNetwork pod of the network: no attachment, the transport binds the netdev
+            host = annotated_pod("pn-host", PN_POD_NAMESPACE, nodes[0], kube.test_image,
+                                 PN_NETWORK)  # fmt: skip
+            host["spec"]["hostNetwork"] = True
+            kube.kubectl("apply", "-f", "-", input=yaml.safe_dump(host))
+            _wait("the hostNetwork pod Ready", lambda: pod_ready(get("pn-host")), 240, 1)
+            assert "k8s.v1.cni.cncf.io/networks" not in get("pn-host")["metadata"]["annotations"]
+            lines = run("pn-host", "env").splitlines()
+            env = dict(line.split("=", 1) for line in lines if "=" in line)
+            assert env["FI_METAROCE_IFACE"] == "eth0" and env["MR_NCCL_IFNAME"] == "=eth0", env
+            kube.kubectl("delete", "pod", "pn-host", "-n", PN_POD_NAMESPACE, "--wait=false")
 
         counters = (
             "cat /sys/class/net/mr0/statistics/tx_bytes /sys/class/net/mr0/statistics/rx_bytes "
@@ -1169,7 +1183,7 @@ def test_6_pods_reach_the_data_nic_through_multus(
         delta = {n: [a - b for a, b in zip(after[n], before[n], strict=True)] for n in names}
         sent = result["bytes"]
         figures.append(
-            f"podNetwork macvlan: metaroce-perf {result['goodput_mbit']} Mbit/s over mr0; "
+            f"podNetwork {mode}: metaroce-perf {result['goodput_mbit']} Mbit/s over mr0; "
             f"client mr0 tx {delta['pn-a'][0]} B, eth0 tx {delta['pn-a'][2]} B; server mr0 "
             f"rx {delta['pn-b'][1]} B, eth0 rx {delta['pn-b'][3]} B ({sent} B of payload)"
         )
@@ -1184,7 +1198,7 @@ def test_6_pods_reach_the_data_nic_through_multus(
             kube, (real.guests[0], real.guests[1]), PN_POD_NAMESPACE, names, ips,
             run("pn-a", 'echo "$MR_CONFIG"').strip(), node_runs=TRANSPORT_RUNS, loss_runs=0,
         )  # fmt: skip
-        figures.append(pod_transport.pod_node_figure(arms, "mr0 (macvlan on eth0)"))
+        figures.append(pod_transport.pod_node_figure(arms, f"mr0 ({mode} on eth0)"))
         pod_node = arms.paired_ratio("pod 0%", "node 0%")
         assert pod_node >= 0.3, (pod_node, arms.runs)  # a floor against breakage only
         kube.kubectl("delete", "namespace", PN_POD_NAMESPACE, "--wait=true", timeout=240)
