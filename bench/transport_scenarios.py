@@ -19,12 +19,13 @@
 
 Run as root (network namespaces). Figures print as a table and go to --json.
 
-  .venv/bin/python bench/transport_scenarios.py [--runs 3] [--perf PATH]
+  .venv/bin/python bench/transport_scenarios.py [--runs 3] [--perf PATH] [--wire-bins]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -43,6 +44,7 @@ import fabric  # noqa: E402
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "metaroce"
 PERF = CACHE / "transport/target/release/metaroce-perf"
 BIN_MS = 10
+DARK_LINK = 1  # the link the link-failure scenario blackholes
 
 
 def loadavg() -> str:
@@ -111,12 +113,43 @@ def below(bins: list[float], level: float) -> float | None:
     return sum(1 for b in bins if b < level) / len(bins) if bins else None
 
 
-def link_failure(fab: fabric.MultipathFabric, perf_bin: str, capacity: float) -> dict[str, Any]:
+def counter_bins(samples: list[list[float]], start: float, bin_ms: int) -> list[float]:
+    """Mbit/s per bin from [time, bytes] samples of a growing counter, bin 0 starting at
+    `start`: each sample's increase spread evenly over the time since the one before
+    (as metaroce-perf's acknowledged-bytes bins), so a late sample moves no bytes."""
+    bin_us = bin_ms * 1000
+    out: list[float] = []
+    for (t0, b0), (t1, b1) in itertools.pairwise(samples):
+        u0, u1 = round((t0 - start) * 1e6), round((t1 - start) * 1e6)
+        if u1 <= u0 or u0 < 0:
+            continue
+        u = u0
+        while u < u1:
+            i = u // bin_us
+            end = min((i + 1) * bin_us, u1)
+            if len(out) <= i:
+                out.extend([0.0] * (i + 1 - len(out)))
+            out[i] += (b1 - b0) * (end - u) / (u1 - u0)
+            u = end
+    return [b * 8 / bin_ms / 1000 for b in out]
+
+
+def link_failure(
+    fab: fabric.MultipathFabric, perf_bin: str, capacity: float, wire: bool = False
+) -> dict[str, Any]:
     marks: dict[str, dict[str, int]] = {}
+    cut_at: list[float] = []
+    sampler = None
+    if wire:  # the receiving links' counters, sampled beside the run (costs some CPU)
+        argv = [sys.executable, str(ROOT / "bench" / "link_rx_sampler.py")]
+        argv += [",".join(fab.data_links()), "--seconds", "3.5"]
+        sampler = subprocess.Popen(fab.exec_argv("a", argv), stdout=subprocess.PIPE, text=True)
 
     def impair() -> None:
         time.sleep(1.0)
-        fab.set_impairments([fabric.Impairment("blackhole", link=1)])
+        cut_at.append(time.monotonic())
+        fab.set_impairments([fabric.Impairment("blackhole", link=DARK_LINK)])
+        cut_at.append(time.monotonic())  # the rule is in force (nft takes some ms)
         time.sleep(1.0)
         fab.set_impairments([])
         marks["restored"] = link_rx(fab)
@@ -128,13 +161,37 @@ def link_failure(fab: fabric.MultipathFabric, perf_bin: str, capacity: float) ->
     # 64 KiB messages: a 10 ms bin at ~900 Mbit/s holds about 17 of them.
     doc = perf(fab, perf_bin, 4.0, size=1 << 16)
     t.join()
-    link1 = fab.data_links()[1]
+    link1 = fab.data_links()[DARK_LINK]
     used_again = marks["restored+1s"][link1] - marks["restored"][link1]
     # The verdict uses bins of payload bytes first acknowledged (packet-sized
     # steps); bins of completed messages move in 64 KiB steps and sit beside them.
     acked = bin_figures([float(x) for x in doc["acked_bins_mbps"]], capacity)
+    on_wire: dict[str, Any] = {}
+    if sampler is not None:
+        out, _ = sampler.communicate(timeout=60)
+        per_link = json.loads(out)
+        # The rule took effect somewhere between the two instants. Bin 100 (bin_figures'
+        # cut) starts at the second, at most the nft call's time after the cut: within
+        # the 100 ms the rule gives to recover. The dark link's counter also counts what
+        # the receiving end's nftables drops (the sender's packets until the path is
+        # failed, then probes): from the first instant on, the bins are the 3 other links'.
+        start = cut_at[1] - 1.0
+        first = int((cut_at[0] - start) * 1000) // BIN_MS
+
+        def links(keep: list[int]) -> list[list[float]]:
+            return [[t, sum(b[i] for i in keep)] for t, b in per_link]
+
+        every = list(range(len(fab.data_links())))
+        wire_bins = counter_bins(links(every), start, BIN_MS)[:first]
+        left = [i for i in every if i != DARK_LINK]
+        wire_bins += counter_bins(links(left), start, BIN_MS)[first:]
+        on_wire = {
+            "on_the_wire": bin_figures(wire_bins, capacity),
+            "rule_applied_within_ms": (cut_at[1] - cut_at[0]) * 1000,
+        }
     return {
         **acked,
+        **on_wire,
         "by_message_completion": bin_figures([float(x) for x in doc["bins_mbps"]], capacity),
         "link_bytes_in_1s_after_recovery": used_again,
         "goodput_mbit": doc["goodput_gbps"] * 1000,
@@ -255,7 +312,7 @@ def incast(inc: fabric.IncastFabric, perf_bin: str, capacity: float, hint: bool)
     }
 
 
-def multipath_scenarios(runs: int, perf_bin: str, report: dict[str, Any]) -> None:
+def multipath_scenarios(runs: int, perf_bin: str, report: dict[str, Any], wire: bool) -> None:
     report["runs"] = []
     with fabric.MultipathFabric(name=fabric.new_name("mrfs")) as fab:
         cap = fab.capacity(seconds=3.0)
@@ -268,7 +325,7 @@ def multipath_scenarios(runs: int, perf_bin: str, report: dict[str, Any]) -> Non
                 "lossless_mbit": g,
                 "lossless_of_capacity": g / capacity,
                 "spurious_of_sent": lossless["spurious_retransmits"] / lossless["packets_sent"],
-                "link_failure": link_failure(fab, perf_bin, capacity),
+                "link_failure": link_failure(fab, perf_bin, capacity, wire),
                 "ce_share": ce_share(fab, perf_bin, g),
                 "loadavg": loadavg(),
             }
@@ -289,6 +346,17 @@ def multipath_scenarios(runs: int, perf_bin: str, report: dict[str, Any]) -> Non
                 f" | load {row['loadavg']}",
                 flush=True,
             )
+            if "on_the_wire" in lf:
+                w = lf["on_the_wire"]
+                print(
+                    f"  the same run on the wire (the receiving links' rx bytes, headers and "
+                    f"resends in): 500 ms median {w.get('hold_median') or 0:.2f}, bins below "
+                    f"0.7: {w.get('hold_bins_below_0.7') or 0:.2f} (lossless: "
+                    f"{w['lossless_bins_below_0.7'] or 0:.2f}), lowest "
+                    f"{w.get('hold_min') or 0:.2f}; the 500 ms start at most "
+                    f"{lf['rule_applied_within_ms']:.0f} ms after the cut",
+                    flush=True,
+                )
 
 
 def incast_scenarios(runs: int, perf_bin: str, report: dict[str, Any]) -> None:
@@ -321,13 +389,20 @@ def main() -> int:
     ap.add_argument(
         "--only", choices=["multipath", "incast"], help="run one fabric's scenarios only"
     )
+    ap.add_argument(
+        "--wire-bins",
+        action="store_true",
+        help="also bin the link failure by the receiving links' rx counters, sampled every "
+        "0.5 ms (bench/link_rx_sampler.py): the bytes on the wire, free of when the "
+        "sender processed their ACKs; the sampler's CPU shows in the other figures",
+    )
     args = ap.parse_args()
     if not Path(args.perf).is_file():
         print(f"{args.perf} does not exist: run bash hack/build-transport.sh", file=sys.stderr)
         return 2
     report: dict[str, Any] = {"loadavg_start": loadavg()}
     if args.only != "incast":
-        multipath_scenarios(args.runs, args.perf, report)
+        multipath_scenarios(args.runs, args.perf, report, args.wire_bins)
     if args.only != "multipath":
         incast_scenarios(args.runs, args.perf, report)
     report["loadavg_end"] = loadavg()

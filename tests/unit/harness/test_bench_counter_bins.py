@@ -1,0 +1,40 @@
+"""bench/transport_scenarios.py's counter_bins: 10 ms bins from a sampled counter."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _scenarios() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "transport_scenarios", ROOT / "bench" / "transport_scenarios.py"
+    )
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("transport_scenarios", mod)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_a_steady_counter_gives_even_bins_however_late_the_samples() -> None:
+    bins_of = _scenarios().counter_bins
+    rate = 100_000_000 / 8  # bytes per second: 100 Mbit/s
+    times = [10.0 + i * 0.0005 for i in range(200)]  # every 0.5 ms for 100 ms ...
+    times[50:70] = [times[49] + 0.012]  # ... but one sample 12 ms late
+    times = sorted(set(times))
+    samples = [[t, int((t - 10.0) * rate)] for t in times]
+    bins = bins_of(samples, 10.0, 10)
+    assert len(bins) >= 9
+    for b in bins[:9]:
+        assert abs(b - 100.0) < 0.5, bins
+
+
+def test_samples_before_the_start_are_left_out() -> None:
+    bins_of = _scenarios().counter_bins
+    samples = [[9.99, 0], [10.0, 0], [10.01, 125_000], [10.02, 250_000]]
+    assert bins_of(samples, 10.0, 10) == [100.0, 100.0]
