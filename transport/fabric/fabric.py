@@ -448,8 +448,11 @@ class Fabric:
     def __exit__(self, *exc: object) -> None:
         self.down()
 
-    def set_impairments(self, impairments: Sequence[Impairment]) -> None:
-        """Replace the impairments (atomically, in every receiving namespace)."""
+    def set_impairments(self, impairments: Sequence[Impairment]) -> list[tuple[float, float]]:
+        """Replace the impairments (atomically, in every receiving namespace). Returns,
+        per namespace in turn, the `time.monotonic()` instants around its `nft -f`: the
+        new rules took effect there between the two."""
+        applied: list[tuple[float, float]] = []
         for ns, links in self.impaired().items():
             script = nft_ruleset(links, impairments)
             # add+delete first so the flush works on the first call too; counters persist
@@ -457,8 +460,11 @@ class Fabric:
             prefix = ""
             if f"table inet {NFT_TABLE}" in existing:
                 prefix = f"flush chain inet {NFT_TABLE} impair\n"
+            before = time.monotonic()
             sh(["nft", "-f", "-"], ns=ns, input=prefix + script)
+            applied.append((before, time.monotonic()))
         self.impairments = list(impairments)
+        return applied
 
     def exec_argv(self, role: str, argv: Sequence[str]) -> list[str]:
         return ["ip", "netns", "exec", self.ns(role), *argv]

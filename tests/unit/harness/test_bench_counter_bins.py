@@ -38,3 +38,16 @@ def test_samples_before_the_start_are_left_out() -> None:
     bins_of = _scenarios().counter_bins
     samples = [[9.99, 0], [10.0, 0], [10.01, 125_000], [10.02, 250_000]]
     assert bins_of(samples, 10.0, 10) == [100.0, 100.0]
+
+
+def test_recovery_allows_a_dip_in_the_first_100_ms_and_counts_one_after() -> None:
+    recovery = _scenarios().recovery
+    steady = [100.0] * 100 + [80.0] * 100  # the cut at bin 100: 3 links carry 0.8
+    early = steady.copy()
+    early[103:106] = [40.0, 50.0, 60.0]  # the dark link's packets found lost and resent
+    r = recovery(early, 100, 100.0)
+    assert r["back_after_ms"] == 60 and r["held"] and r["dip_min"] == 0.4
+    late = steady.copy()
+    late[130] = 60.0  # 300 ms after the cut: inside the 500 ms that must hold
+    r = recovery(late, 100, 100.0)
+    assert not r["held"] and r["hold_bins_below_0.7"] == 1 / 50 and r["back_after_ms"] == 310

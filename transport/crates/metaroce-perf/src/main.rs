@@ -5,7 +5,10 @@
 //!                        (clients served at once)
 //!   metaroce-perf client SERVER [--mode bw|lat] [--size BYTES] [--duration SECONDS]
 //!                        [--iters N] [--window N] [--config K=V,...] [--json]
-//!                        [--bins-ms MS]   (bw: goodput per MS-long bin, in the JSON)
+//!                        [--bins-ms MS]   (bw: goodput per MS-long bin, in the JSON:
+//!                                         by message completion, by bytes first
+//!                                         acknowledged, and by bytes the server's
+//!                                         endpoint placed)
 //!                        [--busy-poll]   (spin on the endpoint, as ib_write_bw polls
 //!                                         its CQ and MPI ranks spin: the tool's own
 //!                                         thread progresses it; default: block)
@@ -25,6 +28,8 @@ const TAG_STATS: u64 = 0xC0DE_0004;
 const TAG_DATA: u64 = 0xDA7A;
 const TAG_PONG: u64 = 0xB0B0;
 const CTRL_LEN: usize = 512;
+/// The server's STATS reply carries its receive bins: room for 60 s of 10 ms bins.
+const STATS_LEN: usize = 64 << 10;
 
 #[derive(Debug)]
 struct Args {
@@ -125,7 +130,7 @@ fn await_completions(t: &Transport, busy: bool, block: Duration) -> Result<(), m
     }
 }
 
-/// A callback run at least every `SAMPLE_EVERY` while waiting (see `AckedBins`).
+/// A callback run at least every `SAMPLE_EVERY` while waiting (see `CounterBins`).
 type Tick<'a> = Option<&'a mut dyn FnMut() -> Result<(), String>>;
 
 fn wait_one(
@@ -153,24 +158,26 @@ fn wait_one(
     }
 }
 
-/// How often a bw client reads the acknowledged-bytes counter for its bins.
+/// How often a bw client reads the acknowledged-bytes counter for its bins (and the
+/// server the placed-bytes one).
 const SAMPLE_EVERY: Duration = Duration::from_micros(250);
 
-/// Payload bytes first acknowledged, binned by when they were acknowledged: the
-/// endpoint's counter is read every `SAMPLE_EVERY` or so and each reading's
-/// increase is spread evenly over the time since the one before. Read only at
-/// message completions (every ~3 ms for 256 KiB messages here), a 10 ms bin got
-/// three or four readings' worth and swung by a third of a reading.
-struct AckedBins {
+/// A growing endpoint counter (the client's payload bytes first acknowledged, the
+/// server's unique payload bytes placed), binned by when it grew: read every
+/// `SAMPLE_EVERY` or so, each reading's increase spread evenly over the time since
+/// the one before. Read only at message completions (every ~3 ms for 256 KiB
+/// messages here), a 10 ms bin got three or four readings' worth and swung by a
+/// third of a reading.
+struct CounterBins {
     bin_us: u64,
     last_us: u64,
     last_bytes: u64,
     bins: Vec<f64>,
 }
 
-impl AckedBins {
+impl CounterBins {
     fn new(bin_ms: u64, bytes0: u64) -> Self {
-        AckedBins { bin_us: bin_ms * 1000, last_us: 0, last_bytes: bytes0, bins: Vec::new() }
+        CounterBins { bin_us: bin_ms * 1000, last_us: 0, last_bytes: bytes0, bins: Vec::new() }
     }
 
     fn due(&self, at_us: u64) -> bool {
@@ -229,6 +236,9 @@ struct Session {
     bytes: u64,
     last_seen: Instant,
     c0: metaroce::Counters,
+    /// `bytes_rcvd` binned from the READY on (the client starts its clock when the
+    /// READY arrives), when the client asked for bins.
+    rcvd_bins: Option<(Instant, CounterBins)>,
 }
 
 /// Receive contexts: the session in the high half, a running count in the low.
@@ -255,7 +265,12 @@ fn server(a: &Args) -> Result<(), String> {
     t.recv(ANY_PEER, RecvBuf::owned(CTRL_LEN), TAG_HELLO, 0, true, CTX_HELLO, true).map_err(e)?;
     loop {
         // Spin only while a client is being served: an idle server blocks.
-        await_completions(&t, a.busy_poll && !sessions.is_empty(), Duration::from_millis(100)).map_err(e)?;
+        let binning = sessions.values().any(|s| s.rcvd_bins.is_some());
+        let block = if binning { SAMPLE_EVERY } else { Duration::from_millis(100) };
+        await_completions(&t, a.busy_poll && !sessions.is_empty(), block).map_err(e)?;
+        if binning {
+            sample_rcvd(&t, &mut sessions, false).map_err(e)?;
+        }
         for c in t.poll(256).map_err(e)? {
             if c.kind != OpKind::Recv {
                 continue;
@@ -271,8 +286,10 @@ fn server(a: &Args) -> Result<(), String> {
                 }
                 let window: u64 = p.get("window").and_then(|s| s.parse().ok()).unwrap_or(16).clamp(1, 1024);
                 let lat = p.get("mode").is_some_and(|m| m == "lat");
+                let bins_ms: u64 = p.get("bins").and_then(|s| s.parse().ok()).unwrap_or(0).min(60_000);
                 let (c0, _) = t.counters().map_err(e)?;
-                let mut s = Session { id: next_id, size, lat, posted: 0, bytes: 0, last_seen: Instant::now(), c0 };
+                let rcvd_bins = (bins_ms > 0).then(|| (Instant::now(), CounterBins::new(bins_ms, c0.bytes_rcvd)));
+                let mut s = Session { id: next_id, size, lat, posted: 0, bytes: 0, last_seen: Instant::now(), c0, rcvd_bins };
                 next_id += 1;
                 for _ in 0..if lat { 1 } else { window } {
                     t.recv(peer, RecvBuf::owned(size), TAG_DATA, 0, true, ctx(s.id, CTX_DATA0 + s.posted), true).map_err(e)?;
@@ -289,7 +306,8 @@ fn server(a: &Args) -> Result<(), String> {
             }
             s.last_seen = Instant::now();
             if c.tag == TAG_END {
-                let s = sessions.remove(&peer).expect("present");
+                let mut s = sessions.remove(&peer).expect("present");
+                sample_rcvd(&t, std::iter::once((&peer, &mut s)), true).map_err(e)?;
                 end_session(&t, peer, &s)?;
                 ended += 1;
                 continue;
@@ -324,6 +342,37 @@ fn server(a: &Args) -> Result<(), String> {
     }
 }
 
+/// Reads `bytes_rcvd` once for the sessions whose bins are due (all, with `force`).
+/// The counter is the endpoint's: overlapping sessions (incast) share it.
+fn sample_rcvd<'a>(
+    t: &Transport,
+    sessions: impl IntoIterator<Item = (&'a u64, &'a mut Session)>,
+    force: bool,
+) -> Result<(), metaroce::Error> {
+    let mut bytes = None;
+    for (_, s) in sessions {
+        let Some((start, bins)) = s.rcvd_bins.as_mut() else { continue };
+        let at = start.elapsed().as_micros() as u64;
+        if force || bins.due(at) {
+            let now = match bytes {
+                Some(b) => b,
+                None => *bytes.insert(t.counters()?.0.bytes_rcvd),
+            };
+            bins.add(at, now);
+        }
+    }
+    Ok(())
+}
+
+/// CLOCK_MONOTONIC in seconds, the clock `Instant` reads: a harness that times an
+/// impairment with the same clock (Python's `time.monotonic`) places it in the bins.
+fn monotonic_seconds() -> f64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: `ts` is a valid, writable timespec.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+}
+
 fn cancel_session(t: &Transport, s: &Session) {
     for i in 0..s.posted {
         let _ = t.cancel(ctx(s.id, CTX_DATA0 + i));
@@ -335,7 +384,7 @@ fn end_session(t: &Transport, peer: u64, s: &Session) -> Result<(), String> {
     cancel_session(t, s);
     let (c1, _) = t.counters().map_err(|e| format!("{e:?}"))?;
     let c0 = &s.c0;
-    let stats = format!(
+    let mut stats = format!(
         "bytes={} dup={} ce={} gaps={} drops={}",
         s.bytes,
         c1.dup_rcvd - c0.dup_rcvd,
@@ -343,6 +392,15 @@ fn end_session(t: &Transport, peer: u64, s: &Session) -> Result<(), String> {
         c1.gaps_seen - c0.gaps_seen,
         (c1.drops_crc + c1.drops_malformed + c1.drops_unknown_conn) - (c0.drops_crc + c0.drops_malformed + c0.drops_unknown_conn)
     );
+    if let Some((_, bins)) = &s.rcvd_bins {
+        let list: Vec<String> = bins.bytes().iter().map(u64::to_string).collect();
+        let field = format!(" rcvd_bins={}", list.join(","));
+        if stats.len() + field.len() <= STATS_LEN {
+            stats += &field;
+        } else {
+            eprintln!("metaroce-perf server: {} receive bins do not fit the STATS reply: left out", list.len());
+        }
+    }
     ctrl(t, peer, TAG_STATS, &stats)
 }
 
@@ -380,19 +438,20 @@ fn client(a: &Args) -> Result<bool, String> {
     let peer = t.peer(server).map_err(|e| format!("{e:?}"))?;
     let mut pending = Vec::new();
     t.recv(peer, RecvBuf::owned(CTRL_LEN), TAG_READY, 0, true, 1, true).map_err(|e| format!("{e:?}"))?;
-    ctrl(&t, peer, TAG_HELLO, &format!("mode={} size={} window={}", a.mode, a.size, a.window))?;
+    ctrl(&t, peer, TAG_HELLO, &format!("mode={} size={} window={} bins={}", a.mode, a.size, a.window, a.bins_ms))?;
     wait_one(&t, a.busy_poll, &mut pending, |c| c.kind == OpKind::Recv && c.tag == TAG_READY, Duration::from_secs(10), None)
         .map_err(|e| format!("no answer from the server at {server}: {e}"))?;
     let (c0, _) = t.counters().map_err(|e| format!("{e:?}"))?;
     let payload = vec![0xa5u8; a.size];
     let start = Instant::now();
+    let start_monotonic = monotonic_seconds();
     let deadline = start + Duration::from_secs_f64(a.duration);
     let mut msgs = 0u64;
     let mut lat_us: Vec<f64> = Vec::new();
     let mut bins: Vec<u64> = Vec::new();
     // The same bins by payload bytes first acknowledged (packet-sized steps): a
     // message-completion bin moves in whole messages and dips while one waits.
-    let mut acked = AckedBins::new(a.bins_ms.max(1), c0.bytes_acked);
+    let mut acked = CounterBins::new(a.bins_ms.max(1), c0.bytes_acked);
     let mut sample_acked = |force: bool| -> Result<(), String> {
         let at = start.elapsed().as_micros() as u64;
         if a.bins_ms > 0 && (force || acked.due(at)) {
@@ -442,7 +501,7 @@ fn client(a: &Args) -> Result<bool, String> {
     }
     let secs = start.elapsed().as_secs_f64();
     let paths = t.path_stats(peer).map_err(|e| format!("{e:?}"))?;
-    t.recv(peer, RecvBuf::owned(CTRL_LEN), TAG_STATS, 0, true, 3, true).map_err(|e| format!("{e:?}"))?;
+    t.recv(peer, RecvBuf::owned(STATS_LEN), TAG_STATS, 0, true, 3, true).map_err(|e| format!("{e:?}"))?;
     ctrl(&t, peer, TAG_END, "end")?;
     let stats = kv(&text(wait_one(
         &t,
@@ -462,6 +521,8 @@ fn client(a: &Args) -> Result<bool, String> {
     let retx = c1.retransmits - c0.retransmits;
     let spurious: u64 = stats.get("dup").and_then(|s| s.parse().ok()).unwrap_or(0);
     let ce: u64 = stats.get("ce").and_then(|s| s.parse().ok()).unwrap_or(0);
+    // The server's bins of placed bytes: empty from an older server or without --bins-ms.
+    let delivered: Vec<u64> = stats.get("rcvd_bins").map(|l| l.split(',').filter_map(|b| b.parse().ok()).collect()).unwrap_or_default();
     lat_us.sort_by(|a, b| a.partial_cmp(b).unwrap());
     if a.json {
         let path_json: Vec<String> = paths
@@ -474,7 +535,7 @@ fn client(a: &Args) -> Result<bool, String> {
             })
             .collect();
         println!(
-            "{{\"mode\":\"{}\",\"size\":{},\"messages\":{msgs},\"bytes\":{bytes},\"seconds\":{secs:.6},\"goodput_gbps\":{gbps:.6},\"goodput_mbit\":{:.3},\"packets_sent\":{sent},\"retransmits\":{retx},\"spurious_retransmits\":{spurious},\"ce_marks\":{ce},\"rtos\":{},\"spurious_rtos\":{},\"tlps\":{},\"acks_rcvd\":{},\"lat_p50_us\":{:.2},\"lat_p99_us\":{:.2},\"tx_dropped_local\":{},\"sock_rcvbuf\":{},\"sock_sndbuf\":{},\"paths\":[{}],\"bins_mbps\":[{}],\"acked_bins_mbps\":[{}]}}",
+            "{{\"mode\":\"{}\",\"size\":{},\"messages\":{msgs},\"bytes\":{bytes},\"seconds\":{secs:.6},\"goodput_gbps\":{gbps:.6},\"goodput_mbit\":{:.3},\"packets_sent\":{sent},\"retransmits\":{retx},\"spurious_retransmits\":{spurious},\"ce_marks\":{ce},\"rtos\":{},\"spurious_rtos\":{},\"tlps\":{},\"acks_rcvd\":{},\"lat_p50_us\":{:.2},\"lat_p99_us\":{:.2},\"tx_dropped_local\":{},\"sock_rcvbuf\":{},\"sock_sndbuf\":{},\"paths\":[{}],\"bins_mbps\":[{}],\"acked_bins_mbps\":[{}],\"delivered_bins_mbps\":[{}],\"start_monotonic_s\":{start_monotonic:.6}}}",
             a.mode,
             a.size,
             gbps * 1000.0,
@@ -489,7 +550,8 @@ fn client(a: &Args) -> Result<bool, String> {
             io.sndbuf,
             path_json.join(","),
             mbps_of(&bins, a.bins_ms),
-            mbps_of(&acked.bytes(), a.bins_ms)
+            mbps_of(&acked.bytes(), a.bins_ms),
+            mbps_of(&delivered, a.bins_ms)
         );
     } else {
         println!("---------------------------------------------------------------------------------------");
@@ -550,11 +612,11 @@ fn main() -> ExitCode {
 
 #[cfg(test)]
 mod tests {
-    use super::AckedBins;
+    use super::CounterBins;
 
     #[test]
     fn a_reading_is_spread_over_the_time_since_the_last_one() {
-        let mut b = AckedBins::new(10, 1000);
+        let mut b = CounterBins::new(10, 1000);
         b.add(5_000, 1000 + 500); // 0-5 ms: all in bin 0
         b.add(15_000, 1500 + 1000); // 5-15 ms: half in bin 0, half in bin 1
         b.add(15_000, 2500 + 7); // no time passed: where the reading falls
@@ -565,7 +627,7 @@ mod tests {
 
     #[test]
     fn readings_are_due_every_sample_period() {
-        let mut b = AckedBins::new(10, 0);
+        let mut b = CounterBins::new(10, 0);
         assert!(!b.due(100));
         assert!(b.due(250));
         b.add(250, 10);
