@@ -56,9 +56,14 @@ def loadavg() -> str:
 
 
 def perf(
-    fab: fabric.MultipathFabric, perf_bin: str, seconds: float, size: int = 1 << 18
+    fab: fabric.MultipathFabric,
+    perf_bin: str,
+    seconds: float,
+    size: int = 1 << 18,
+    bins: bool = True,
 ) -> dict[str, Any]:
-    """One bw run B -> A (server in A, client in B): the client's JSON, bins included."""
+    """One bw run B -> A (server in A, client in B): the client's JSON, with 10 ms bins
+    when `bins` (both ends then read their counters every 0.25 ms)."""
     a, b = fab.data_addr("a"), fab.data_addr("b")
     server = [perf_bin, "server", "--once", "--config", f"addr={a},ports=30000-30100"]
     srv = subprocess.Popen(
@@ -74,7 +79,7 @@ def perf(
             raise RuntimeError(f"metaroce-perf server did not start: {line!r}")
         url = line.split()[-1]
         argv = [perf_bin, "client", url, "--duration", str(seconds), "--size", str(size)]
-        argv += ["--window", "32", "--json", "--bins-ms", str(BIN_MS)]
+        argv += ["--window", "32", "--json", *(["--bins-ms", str(BIN_MS)] if bins else [])]
         argv += ["--config", f"addr={b},ports=31000-31100"]
         p = subprocess.run(
             fab.exec_argv("b", argv), capture_output=True, text=True, timeout=seconds + 60
@@ -247,7 +252,7 @@ def bin_figures(bins: list[float], capacity: float, cut: int = 1000 // BIN_MS) -
 def ce_share(fab: fabric.MultipathFabric, perf_bin: str, lossless_mbit: float) -> dict[str, Any]:
     fab.set_impairments([fabric.Impairment("ce", 500, link=2)])
     before = link_rx(fab)
-    doc = perf(fab, perf_bin, 3.0)
+    doc = perf(fab, perf_bin, 3.0, bins=False)
     after = link_rx(fab)
     fab.set_impairments([])
     moved = {d: after[d] - before[d] for d in after}
@@ -340,7 +345,7 @@ def multipath_scenarios(runs: int, perf_bin: str, report: dict[str, Any], wire: 
         capacity = float(cap["total_mbit"])
         report["capacity_mbit"] = capacity
         for i in range(runs):
-            lossless = perf(fab, perf_bin, 4.0)
+            lossless = perf(fab, perf_bin, 4.0, bins=False)
             g = lossless["goodput_gbps"] * 1000
             row = {
                 "lossless_mbit": g,
