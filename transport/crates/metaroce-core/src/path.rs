@@ -107,6 +107,8 @@ struct TimedOut {
     hi: u32,
     oldest_sent_at: Micros,
     cc_before: Aimd,
+    /// The suspect mark the timeout set (undone if it proves spurious).
+    suspect_until: Micros,
 }
 
 /// A packet declared late, kept until an ACK shows it arrived after all (or it ages out).
@@ -428,13 +430,14 @@ impl Path {
     /// declared lost (returned) and remembered, so that an ACK showing it arrived
     /// after all undoes the cut and raises the RTO floor.
     pub fn on_timeout(&mut self, now: Micros) -> Vec<Frame> {
+        let suspect_until = now + 8 * self.rtt.srtt.max(100);
         if let Some(oldest) = self.in_flight.front() {
             let cc_before = self.timed_out.take().map_or_else(|| self.cc.clone(), |t| t.cc_before);
-            self.timed_out = Some(TimedOut { lo: oldest.psn, hi: self.next_psn, oldest_sent_at: oldest.sent_at, cc_before });
+            self.timed_out = Some(TimedOut { lo: oldest.psn, hi: self.next_psn, oldest_sent_at: oldest.sent_at, cc_before, suspect_until });
         }
         self.cc.on_timeout(now, self.backoff);
         self.backoff += 1;
-        self.suspect_until = now + 8 * self.rtt.srtt.max(100);
+        self.suspect_until = suspect_until;
         self.take_all_in_flight()
     }
 
@@ -463,6 +466,13 @@ impl Path {
             self.rto_floor_at = now;
             self.cc = t.cc_before;
             self.backoff = 0;
+            // Nothing was lost: the path is not suspect either, unless something else
+            // (a gap, CE, a late loss) has marked it since. Left in place, the mark
+            // paced the path at a quarter of its rate for 8 srtt after every host
+            // stall long enough to time out.
+            if self.suspect_until == t.suspect_until {
+                self.suspect_until = 0;
+            }
         } else if entry.cum.wrapping_sub(t.hi) < 1 << 31 && entry.cum != t.hi {
             self.timed_out = None; // past it, nothing of it shown: a real loss
         }
@@ -619,5 +629,31 @@ mod tests {
         assert_eq!(p.spurious_late, 1);
         assert_eq!(p.cc.window(), before);
         assert_eq!(p.suspect_until, 0);
+    }
+
+    #[test]
+    fn a_timeout_shown_spurious_gives_back_its_cut_and_suspect_mark() {
+        let mut p = Path::new(0, 0, 1000, 1 << 20, 100, 500);
+        let mut now = 1_000;
+        for psn in 0..8 {
+            p.on_sent(now, Frame::Ping, 1000, false, psn as u64);
+            now += 100;
+            p.on_ack(now, &ack(psn + 1), 0, 100);
+        }
+        let before = p.cc.window();
+        for psn in 8..12 {
+            p.on_sent(now, Frame::Ping, 1000, false, psn as u64);
+        }
+        // The host stalls past the RTO: the four packets are given up on.
+        now += 20 * MS;
+        assert_eq!(p.on_timeout(now).len(), 4);
+        assert!(p.cc.window() < before);
+        assert!(p.suspect_until > now);
+        // The ACK shows they all arrived: the timeout was spurious.
+        now += 100;
+        p.on_ack(now, &ack(12), 0, 100);
+        assert_eq!(p.spurious_rtos, 1);
+        assert_eq!(p.cc.window(), before);
+        assert_eq!(p.suspect_until, 0, "no longer paced at a quarter of its rate");
     }
 }
