@@ -269,7 +269,7 @@ fn server(a: &Args) -> Result<(), String> {
         let block = if binning { SAMPLE_EVERY } else { Duration::from_millis(100) };
         await_completions(&t, a.busy_poll && !sessions.is_empty(), block).map_err(e)?;
         if binning {
-            sample_rcvd(&t, &mut sessions, false).map_err(e)?;
+            sample_rcvd(&t, sessions.values_mut(), false).map_err(e)?;
         }
         for c in t.poll(256).map_err(e)? {
             if c.kind != OpKind::Recv {
@@ -307,7 +307,7 @@ fn server(a: &Args) -> Result<(), String> {
             s.last_seen = Instant::now();
             if c.tag == TAG_END {
                 let mut s = sessions.remove(&peer).expect("present");
-                sample_rcvd(&t, std::iter::once((&peer, &mut s)), true).map_err(e)?;
+                sample_rcvd(&t, [&mut s], true).map_err(e)?;
                 end_session(&t, peer, &s)?;
                 ended += 1;
                 continue;
@@ -344,13 +344,9 @@ fn server(a: &Args) -> Result<(), String> {
 
 /// Reads `bytes_rcvd` once for the sessions whose bins are due (all, with `force`).
 /// The counter is the endpoint's: overlapping sessions (incast) share it.
-fn sample_rcvd<'a>(
-    t: &Transport,
-    sessions: impl IntoIterator<Item = (&'a u64, &'a mut Session)>,
-    force: bool,
-) -> Result<(), metaroce::Error> {
+fn sample_rcvd<'a>(t: &Transport, sessions: impl IntoIterator<Item = &'a mut Session>, force: bool) -> Result<(), metaroce::Error> {
     let mut bytes = None;
-    for (_, s) in sessions {
+    for s in sessions {
         let Some((start, bins)) = s.rcvd_bins.as_mut() else { continue };
         let at = start.elapsed().as_micros() as u64;
         if force || bins.due(at) {
