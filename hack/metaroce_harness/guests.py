@@ -74,7 +74,10 @@ API (all timeouts in seconds):
   cached) or takes ``$METAROCE_GUEST_IMAGE``.
 - ``GuestCluster.l2_counters() -> L2Counters`` (``kind`` "bridge" or "hub", ``frames``,
   ``dropped``): what the private L2 carried and dropped since the cluster started;
-  ``Guest.tx_stalls()``: how often the guest's kernel saw a NIC transmit queue stuck.
+  ``Guest.tx_stalls()``: how often the guest's kernel saw a NIC transmit queue stuck;
+  ``GuestCluster.l2_report() -> str``: the L2 as it is now (the bridge's per-tap
+  counters and learned MACs; per guest the NIC's counters, neighbours, qdiscs, a ping of
+  each other guest and the kernel's last lines), over the command channel, not the L2.
 - ``leftovers(owner_pid=None) -> list[str]``: qemu processes, L2 bridge helpers and run
   directories of this harness still present (for leak checks). ``boot_history`` lists every boot of
   this process (guest count, seconds, seconds per guest, attempts per guest).
@@ -437,17 +440,22 @@ class _Bridge:
         towards a guest whose queue of TAP_QUEUE_LEN is full, or from a guest when the
         kernel's backlog is. (The bridge's own local stack, which no guest talks to, is
         left out: it discards what it has no protocol for.)"""
-        frames = dropped = 0
-        text = Path(f"/proc/{self.proc.pid}/net/dev").read_text()
-        for line in text.splitlines()[2:]:
-            name, _, data = line.partition(":")
-            fields = data.split()
-            if not name.strip().startswith("tap") or len(fields) < 12:
-                continue
-            # receive: bytes packets errs drop ... (8 fields), transmit: bytes packets errs drop
-            frames += int(fields[1])
-            dropped += int(fields[3]) + int(fields[11])
+        taps = tap_counts(Path(f"/proc/{self.proc.pid}/net/dev").read_text())
+        frames = sum(t.from_guest for t in taps.values())
+        dropped = sum(t.from_guest_dropped + t.to_guest_dropped for t in taps.values())
         return L2Counters("bridge", frames, dropped)
+
+    def port_report(self) -> str:
+        """Each tap's counters and the bridge's learned MACs: which guest stopped sending
+        into the L2 or taking frames from it."""
+        taps = tap_counts(Path(f"/proc/{self.proc.pid}/net/dev").read_text())
+        fdb = subprocess.run(
+            ["nsenter", f"--net=/proc/{self.proc.pid}/ns/net", "bridge", "fdb", "show",
+             "br", "br0", "dynamic"],
+            capture_output=True, text=True, timeout=10, check=False,
+        )  # fmt: skip
+        lines = [f"{name}: {t.describe()}" for name, t in sorted(taps.items())]
+        return "\n".join([*lines, "fdb: " + (fdb.stdout.strip() or fdb.stderr.strip())])
 
     def close(self) -> None:
         for fd in getattr(self, "tap_fds", []):
@@ -462,6 +470,37 @@ class _Bridge:
             self.proc.wait(timeout=5)
         if self.proc.stderr is not None:
             self.proc.stderr.close()
+
+
+@dataclass(frozen=True)
+class TapCounts:
+    """One tap of the bridge. Its receive side is what its guest sent; its transmit side
+    is what went to its guest."""
+
+    from_guest: int
+    from_guest_dropped: int
+    to_guest: int
+    to_guest_dropped: int
+
+    def describe(self) -> str:
+        return (
+            f"from guest {self.from_guest} frames ({self.from_guest_dropped} dropped), "
+            f"to guest {self.to_guest} frames ({self.to_guest_dropped} dropped)"
+        )
+
+
+def tap_counts(proc_net_dev: str) -> dict[str, TapCounts]:
+    """The taps' counters in a /proc/net/dev text, by name."""
+    taps = {}
+    for line in proc_net_dev.splitlines()[2:]:
+        name, _, data = line.partition(":")
+        fields = data.split()
+        if not name.strip().startswith("tap") or len(fields) < 12:
+            continue
+        # receive: bytes packets errs drop ... (8 fields), transmit: bytes packets errs drop
+        rx, rx_drop, tx, tx_drop = (int(fields[i]) for i in (1, 3, 9, 11))
+        taps[name.strip()] = TapCounts(rx, rx_drop, tx, tx_drop)
+    return taps
 
 
 def _bridge_unavailable() -> str | None:
@@ -1138,6 +1177,34 @@ class GuestCluster:
         if self._l2 is None:
             raise GuestError("the cluster is not running")
         return self._l2.counters()
+
+    def l2_report(self) -> str:
+        """The guests' L2 as it is now, for a failed test: the bridge's ports, and each
+        guest's NIC counters, neighbours, qdiscs, a ping of every other guest over the L2
+        and the kernel's last words. Gathered over the guests' command channel, which does
+        not ride the L2, so it still answers when the L2 is dead."""
+        parts: list[str] = []
+        if isinstance(self._l2, _Bridge):
+            try:
+                parts.append(self._l2.port_report())
+            except (OSError, subprocess.SubprocessError) as exc:
+                parts.append(f"bridge: not readable: {exc}")
+        elif self._l2 is not None:
+            parts.append(self._l2.counters().describe())
+        for g in self.guests:
+            peers = " ".join(o.ip for o in self.guests if o is not g)
+            script = (
+                "ip -s link show dev eth0; ip neigh show dev eth0; tc -s qdisc show dev eth0; "
+                "{ ethtool -S eth0 | grep -v ': 0$'; } 2>/dev/null; "
+                f"for p in {peers}; do ping -n -q -c 2 -W 1 -I eth0 $p | tail -n 2; done; "
+                "dmesg | tail -n 12"
+            )
+            try:
+                out = g.run(script, timeout=30)
+                parts.append(f"--- {g.name} ---\n{out.stdout.strip()}\n{out.stderr.strip()}")
+            except GuestError as exc:
+                parts.append(f"--- {g.name}: no answer: {exc}")
+        return "\n".join(parts)
 
     def _l2_netdev(self, g: Guest) -> str:
         if isinstance(self._l2, _Bridge):

@@ -64,6 +64,8 @@ def kube() -> Iterator[Kube]:
     with _REAL_NODES:
         cluster = _REAL_NODES.enter_context(LocalCluster(extra_apiserver_args=APISERVER_ARGS))
         nodes = _REAL_NODES.enter_context(RealNodes(cluster, count=2))
+        _REAL_NODES.callback(_LIVE.clear)
+        _LIVE.append(nodes)
         assert cluster.kubeconfig is not None
         yield Kube(
             cluster.kubeconfig,
@@ -81,6 +83,25 @@ not at the end of the session. Idle, each node's kubelet and containerd keep abo
 a host core busy under TCG, which the e2e tests after this folder need (seen 2026-12-01:
 the tier's later guests ran beside them for 25 minutes)."""
 _HERE = Path(__file__).parent
+_LIVE: list[RealNodes] = []
+"""The real nodes while they run, for the L2 report of a failed test."""
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test on the real nodes reports the guests' L2 as it is then: when the
+    guests stop reaching each other, every later test fails for that one reason (seen in
+    CI on 2026-12-04: one ib_write_bw hung, then every cross-node test failed), and
+    only the state at the first failure says which side stopped."""
+    outcome = yield
+    report = outcome.get_result()
+    guests = _LIVE[0].guests if _LIVE else None
+    if report.when == "call" and report.failed and guests is not None:
+        try:
+            text = guests.l2_report()
+        except Exception as exc:  # a report must not hide the test's own failure
+            text = f"(no L2 report: {exc!r})"
+        report.sections.append(("the guests' L2 after this failure", text))
 
 
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
