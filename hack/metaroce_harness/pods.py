@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from metaroce_api import constants
-from metaroce_harness.guest_transport import hw_counters
+from metaroce_harness.guest_transport import hw_counters, perftest_average_gbps
 from metaroce_harness.guests import Guest, GuestCluster, GuestTimeoutError
 from metaroce_harness.nodes import RealNodes
 
@@ -262,7 +262,7 @@ def ib_write_bw(
     for run in range(1, CALIBRATION_RUNS + 1):
         code, out = _ib_write_bw_once(start_server, run_client, server_ip, flags)
         delta = link.delta() if link is not None else {}
-        bw = _average_gbps(out)
+        bw = perftest_average_gbps(out)
         if code == 0 and bw > 0:
             return bw, delta
         if code != 0 or CLOCK_NOT_CALIBRATED not in out or run == CALIBRATION_RUNS:
@@ -293,13 +293,6 @@ def _ib_write_bw_once(
     finally:
         finish_server()
     return code, out
-
-
-def _average_gbps(out: str) -> float:
-    """BW average of perftest's last result row (#bytes #iterations BW-peak BW-average
-    MsgRate), 0 when there is none."""
-    rows = [ln.split() for ln in out.splitlines() if re.match(r"\s*\d+\s+\d+\s+[\d.]+", ln)]
-    return float(rows[-1][3]) if rows else 0.0
 
 
 def in_pod(kube: Kube, namespace: str, name: str) -> tuple[StartServer, RunClient]:
