@@ -252,7 +252,17 @@ def test_jumbo_mtu_fabric_carries_9000_byte_frames() -> None:
         before = jumbo.counters()
         res = jumbo.probe(A, B, range(39000, 39008), count=50, size=8972, pps=2000)
         after = jumbo.counters()
-        assert res["packets"] == res["sent"] == 400
+        tbf_dropped = sum(
+            q["dropped"] - before[role]["tbf"][dev]["dropped"]
+            for role, c in after.items()
+            if role != "host"
+            for dev, q in c["tbf"].items()
+        )
+        assert res["packets"] == res["sent"] == 400, (
+            f"tbf queues dropped {tbf_dropped} (a burst over LINK_LIMIT_BYTES), host softnet "
+            f"{after['host']['softnet_dropped'] - before['host']['softnet_dropped']}; the "
+            f"rest the sink's socket buffer: missing runs {res['missing_runs']}"
+        )
         assert res["bytes"] == 400 * 8972
         # one frame per datagram: nothing was fragmented (fragments would hash on addresses)
         seen = sum(nft_delta(before, after, "b", f"seen_{d}") for d in jumbo.data_links())
