@@ -36,7 +36,16 @@ CLIENT = (
 )
 # What each mode compares: bw its goodput, lat its median round trip (and p99 beside).
 METRIC = {"bw": ("goodput_mbit", "Mbit/s"), "lat": ("lat_p50_us", "us p50")}
-FIELDS = ("packets_sent", "acks_rcvd", "retransmits", "spurious_retransmits", "rtos", "tlps")
+FIELDS = (
+    "packets_sent",
+    "acks_rcvd",
+    "retransmits",
+    "spurious_retransmits",
+    "rtos",
+    "tlps",
+    "late_losses",
+    "spurious_late_losses",
+)
 
 
 def perf_binary(folder: str, flag: str) -> str:

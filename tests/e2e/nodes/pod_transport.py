@@ -50,6 +50,8 @@ _RUN_FIELDS = (
     "rtos",
     "spurious_rtos",
     "tlps",
+    "late_losses",
+    "spurious_late_losses",
 )
 
 
@@ -97,7 +99,7 @@ def measure(
                     arms.reports.append(report | {"arm": f"pod {loss:g}%"})
                     print(  # shown with -s: where each run's resends came from
                         f"pod {loss:g}% run {i + 1}: {report['goodput_mbit']:.1f} Mbit/s, "
-                        + ", ".join(f"{k} {report[k]}" for k in _RUN_FIELDS),
+                        + ", ".join(f"{k} {report.get(k, '-')}" for k in _RUN_FIELDS),
                         flush=True,
                     )
                     arms.add(f"pod {loss:g}%", float(report["goodput_gbps"]))
