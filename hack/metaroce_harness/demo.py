@@ -76,6 +76,17 @@ SECONDS = 5
 """Each run's length; the client's pod is on node-1, the server's on node-2."""
 
 
+DETAIL_FIELDS = (
+    "rtos",
+    "spurious_rtos",
+    "late_losses",
+    "spurious_late_losses",
+    "tlps",
+    "spurious_retransmits",
+)
+"""metaroce-perf's counters behind a run's resends, printed beside them."""
+
+
 @dataclass(frozen=True)
 class Network:
     sample: Path
@@ -233,17 +244,17 @@ class Demo:
                     for loss in (0.0, LOSS_PERCENT):
                         for g in guests:
                             set_netem(g, loss, NETEM_DELAY_MS)
-                        gbps, retx = run(ips)
+                        gbps, retx, detail = run(ips)
                         figures.add(loss, gbps, retx)
                         print(f"    run {i + 1}, {loss:g}% loss: {gbps * 1000:.1f} Mbit/s, "
-                              f"{retx} {net.retransmits}", flush=True)  # fmt: skip
+                              f"{retx} {net.retransmits}{detail}", flush=True)  # fmt: skip
         finally:
             for g in guests:
                 clear_qdisc(g)
         done(t)
         return figures
 
-    def softroce_run(self, ips: tuple[str, str]) -> tuple[float, int]:
+    def softroce_run(self, ips: tuple[str, str]) -> tuple[float, int, str]:
         """ib_write_bw from pod a to pod b on the injected device, GID index and ToS, with
         a 0.5 s ACK timeout (-u 17) instead of the network's NCCL_IB_TIMEOUT (20: 4.3 s),
         which under loss lets a 5 s run complete no write at all."""
@@ -258,13 +269,22 @@ class Demo:
             gbps, _ = ib_write_bw(server, client, ips[1], flags, None)
         except AssertionError:
             gbps = 0.0  # RC gave up (retry count exceeded): nothing moved
-        return gbps, link.delta()["node-1 completer_retry_err"]
+        return gbps, link.delta()["node-1 completer_retry_err"], ""
 
-    def metaroce_run(self, ips: tuple[str, str]) -> tuple[float, int]:
+    def metaroce_run(self, ips: tuple[str, str]) -> tuple[float, int, str]:
+        """Goodput, packets resent, and what gave them up: timeouts, the late rule (a
+        path's oldest packet overdue while later ones were acknowledged), tail probes,
+        and how many the receiver already had (spurious)."""
         report = pod_perf(self.kube, POD_NAMESPACE, self.pods, ips, seconds=SECONDS)
         if not report.get("messages"):
             raise HarnessError(f"metaroce-perf moved nothing between the pods: {report}")
-        return float(report["goodput_gbps"]), int(report["retransmits"])
+        r = {k: report.get(k, "-") for k in DETAIL_FIELDS}
+        detail = (
+            f" (timeouts {r['rtos']}, {r['spurious_rtos']} spurious; late {r['late_losses']}, "
+            f"{r['spurious_late_losses']} spurious; tail probes {r['tlps']}; the receiver "
+            f"had {r['spurious_retransmits']} already)"
+        )
+        return float(report["goodput_gbps"]), int(report["retransmits"]), detail
 
     # -- what it prints --------------------------------------------------------------------
 
