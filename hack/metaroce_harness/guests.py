@@ -440,15 +440,19 @@ class _Bridge:
         towards a guest whose queue of TAP_QUEUE_LEN is full, or from a guest when the
         kernel's backlog is. (The bridge's own local stack, which no guest talks to, is
         left out: it discards what it has no protocol for.)"""
-        taps = tap_counts(Path(f"/proc/{self.proc.pid}/net/dev").read_text())
+        taps = self.taps()
         frames = sum(t.from_guest for t in taps.values())
         dropped = sum(t.from_guest_dropped + t.to_guest_dropped for t in taps.values())
         return L2Counters("bridge", frames, dropped)
 
+    def taps(self) -> dict[str, TapCounts]:
+        """The taps' counters, read from the helper's network namespace."""
+        return tap_counts(Path(f"/proc/{self.proc.pid}/net/dev").read_text())
+
     def port_report(self) -> str:
         """Each tap's counters and the bridge's learned MACs: which guest stopped sending
         into the L2 or taking frames from it."""
-        taps = tap_counts(Path(f"/proc/{self.proc.pid}/net/dev").read_text())
+        taps = self.taps()
         fdb = subprocess.run(
             ["nsenter", f"--net=/proc/{self.proc.pid}/ns/net", "bridge", "fdb", "show",
              "br", "br0", "dynamic"],

@@ -21,7 +21,7 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,8 +64,6 @@ def kube() -> Iterator[Kube]:
     with _REAL_NODES:
         cluster = _REAL_NODES.enter_context(LocalCluster(extra_apiserver_args=APISERVER_ARGS))
         nodes = _REAL_NODES.enter_context(RealNodes(cluster, count=2))
-        _REAL_NODES.callback(_LIVE.clear)
-        _LIVE.append(nodes)
         assert cluster.kubeconfig is not None
         yield Kube(
             cluster.kubeconfig,
@@ -83,19 +81,21 @@ not at the end of the session. Idle, each node's kubelet and containerd keep abo
 a host core busy under TCG, which the e2e tests after this folder need (seen 2026-12-01:
 the tier's later guests ran beside them for 25 minutes)."""
 _HERE = Path(__file__).parent
-_LIVE: list[RealNodes] = []
-"""The real nodes while they run, for the L2 report of a failed test."""
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, Any, None]:
     """A failed test on the real nodes reports the guests' L2 as it is then: when the
     guests stop reaching each other, every later test fails for that one reason (seen in
     CI on 2026-12-04: one ib_write_bw hung, then every cross-node test failed), and
     only the state at the first failure says which side stopped."""
     outcome = yield
     report = outcome.get_result()
-    guests = _LIVE[0].guests if _LIVE else None
+    kube = getattr(item, "funcargs", {}).get("kube")
+    nodes = kube.real_nodes if isinstance(kube, Kube) else None
+    guests = nodes.guests if nodes is not None else None
     if report.when == "call" and report.failed and guests is not None:
         try:
             text = guests.l2_report()
