@@ -13,6 +13,10 @@ BUDGET_TRANSPORT=${BUDGET_TRANSPORT:-1500}
 BUDGET_INTEGRATION=${BUDGET_INTEGRATION:-1500}
 BUDGET_FAULT=${BUDGET_FAULT:-900}
 BUDGET_E2E=${BUDGET_E2E:-3300}  # 2,407-2,880 s measured on 2026-12-03 (docs/contributing.md)
+# CI stops the whole run at 90 minutes: the e2e tier, last and the longest, may use what
+# the tiers before it left of that (less a minute for the summary) when that is more
+# than its own budget. Seen on 2026-12-04: a slow day doubled the TCG guests' times.
+BUDGET_TOTAL=${BUDGET_TOTAL:-5340}
 
 say() { printf '\n[test] %s\n' "$*" >&2; }
 summary=()
@@ -46,6 +50,8 @@ run_step unit "$BUDGET_UNIT" .venv/bin/pytest tests/unit -q
 run_step transport "$BUDGET_TRANSPORT" bash hack/test-transport.sh
 run_step integration "$BUDGET_INTEGRATION" .venv/bin/pytest tests/integration -q -m integration --durations=15
 run_step fault "$BUDGET_FAULT" .venv/bin/pytest tests/fault -q -m fault --durations=10
-run_step e2e "$BUDGET_E2E" .venv/bin/pytest tests/e2e -q -m e2e --durations=15
+left=$((BUDGET_TOTAL - SECONDS))
+run_step e2e "$((left > BUDGET_E2E ? left : BUDGET_E2E))" \
+  .venv/bin/pytest tests/e2e -q -m e2e --durations=15
 print_summary
 say "all tiers passed"

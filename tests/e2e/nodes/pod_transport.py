@@ -71,9 +71,11 @@ def measure(
     node_runs: int = 2,
     loss_runs: int = 2,
     rxe_runs: int = 0,
+    node_arm: bool = True,
 ) -> Arms:
-    """Interleaved runs: lossless (pod and node arms, rxe), then 1% netem loss (pod arm,
-    rxe). ``mr_config`` carries the network's transport settings into the node arm. The
+    """Interleaved runs: ``node_runs`` lossless (pod arm, the node arm unless
+    ``node_arm`` is false, rxe), then ``loss_runs`` at 1% netem loss (pod arm, rxe).
+    ``mr_config`` carries the network's transport settings into the node arm. The
     nodes' socket buffer caps are raised for the pods' sockets (``socket_buffers``).
 
     The defaults keep the e2e tier short: its floors catch breakage, and the figures the
@@ -103,7 +105,7 @@ def measure(
                         flush=True,
                     )
                     arms.add(f"pod {loss:g}%", float(report["goodput_gbps"]))
-                    if loss == 0.0:
+                    if loss == 0.0 and node_arm:
                         node = metaroce_perf(guests[0], guests[1], perf, PERF_SECONDS,
                                              PERF_SIZE, PERF_WINDOW, node_config)  # fmt: skip
                         arms.add("node 0%", node.gbps)
@@ -141,7 +143,7 @@ def figures(arms: Arms) -> list[str]:
     rxe = arms.median("rxe 1%") / rxe0 if rxe0 > 0 else 0.0
     retx = [r["retransmits"] for r in arms.reports if r["arm"] == "pod 1%"]
     rcvbuf = sorted({r["sock_rcvbuf"] for r in arms.reports})
-    return [
+    lines = [
         f"metaroce between the pods at 1% netem loss: {mr:.2f} of lossless "
         f"({arms.median('pod 1%'):.3f} of {arms.median('pod 0%'):.3f} Gbit/s, medians of "
         f"{len(arms.runs['pod 1%'])} and {len(arms.runs['pod 0%'])} runs; retransmits {retx}); "
@@ -151,9 +153,10 @@ def figures(arms: Arms) -> list[str]:
             if "rxe 1%" in arms.runs
             else "rxe beside it: see the demo (bash hack/demo.sh --runs 5)"
         ),
-        pod_node_figure(arms, "the pod network (veth and bridge)")
-        + f"; the pods' socket buffers {rcvbuf}",
     ]
+    if "node 0%" in arms.runs:
+        lines.append(pod_node_figure(arms, "the pod network (veth and bridge)"))
+    return [*lines, f"the pods' socket buffers {rcvbuf}"]
 
 
 # -- real clients between the pods ------------------------------------------------------------

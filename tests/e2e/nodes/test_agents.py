@@ -623,9 +623,9 @@ def _metaroce_network() -> str:
     )
 
 
-def _mr_states(kube: Kube) -> list[dict[str, Any]]:
+def _mr_states(kube: Kube, network: str = MR_NETWORK) -> list[dict[str, Any]]:
     out = kube.kubectl(
-        "get", "metarocenodestates", "-l", f"metaroce.io/network={MR_NETWORK}", "-o", "json"
+        "get", "metarocenodestates", "-l", f"metaroce.io/network={network}", "-o", "json"
     ).stdout
     return list(json.loads(out)["items"])
 
@@ -640,17 +640,17 @@ def _mr_ready_nodes(kube: Kube, config_generation: int = 0) -> list[str]:
     )
 
 
-def _mr_agents(kube: Kube) -> list[dict[str, Any]]:
+def _mr_agents(kube: Kube, network: str = MR_NETWORK) -> list[dict[str, Any]]:
     out = kube.kubectl(
-        "get", "pods", "-n", NAMESPACE, "-l", f"metaroce.io/network={MR_NETWORK}", "-o", "json"
+        "get", "pods", "-n", NAMESPACE, "-l", f"metaroce.io/network={network}", "-o", "json"
     ).stdout
     return list(json.loads(out)["items"])
 
 
-def _print_revert_state(kube: Kube) -> None:
+def _print_revert_state(kube: Kube, network: str = MR_NETWORK) -> None:
     """What a network stuck in deletion waits for: its NodeStates' phases and conditions,
     and the end of each agent's log."""
-    for st in _mr_states(kube):
+    for st in _mr_states(kube, network):
         status = st.get("status") or {}
         conds = [(c.get("type"), c.get("reason"), c.get("message", "")[:300])
                  for c in status.get("conditions") or []]  # fmt: skip
@@ -658,7 +658,7 @@ def _print_revert_state(kube: Kube) -> None:
             f"NodeState {st['metadata']['name']}: phase {status.get('phase')}, reverted "
             f"{status.get('reverted')}, applied {status.get('applied')}, conditions {conds}"
         )
-    for pod in _mr_agents(kube):
+    for pod in _mr_agents(kube, network):
         name = pod["metadata"]["name"]
         logs = kube.kubectl("logs", "-n", NAMESPACE, name, "-c", "agent", "--tail=60", check=False)
         print(f"--- agent {name} ({pod['spec'].get('nodeName')}):\n{logs.stdout}{logs.stderr}")
@@ -963,6 +963,7 @@ def test_5_metaroce_network_rolls_out_and_pods_get_the_library(
                 kube, (real.guests[0], real.guests[1]), MR_POD_NAMESPACE, names,
                 (ip_a, ip_b), run("mr-a", 'echo "$MR_CONFIG"').strip(),
                 node_runs=TRANSPORT_RUNS, loss_runs=TRANSPORT_RUNS,
+                node_arm=False,  # pod ÷ node is test_6's, over the data NIC's attachment
             )  # fmt: skip
             figures.extend(pod_transport.figures(arms))
             for r in arms.reports:  # the transport carried the bytes, loss was really there
@@ -974,8 +975,6 @@ def test_5_metaroce_network_rolls_out_and_pods_get_the_library(
             # 0.70 of lossless, pod / node 0.63 over the pod network's veth and bridge).
             ratio = arms.median("pod 1%") / arms.median("pod 0%")
             assert ratio >= 0.4, (ratio, arms.runs)
-            pod_node = arms.paired_ratio("pod 0%", "node 0%")
-            assert pod_node >= 0.3, (pod_node, arms.runs)
             try:  # the real clients again, under 1% loss each way (netem on both nodes)
                 for g in real.guests[:2]:
                     set_netem(g, 1.0, NETEM_DELAY_MS)
@@ -1072,17 +1071,21 @@ def test_6_pods_reach_the_data_nic_through_multus(
     annotated pods get `mr0` on the node's eth0 with an address of their node's block.
     metaroce-perf between those addresses moves its bytes through mr0 (the pods'
     interface counters), not through the pod network's eth0, and pod ÷ node goodput is
-    measured for each mode; deleting the network (cleanupOnDelete) removes the nodes' CNI
+    measured over ipvlan (one mode keeps the tier short; `METAROCE_E2E_TRANSPORT_RUNS=5`
+    for the issue's median of five); deleting the network (cleanupOnDelete) removes the nodes' CNI
     configuration and the blocks."""
     real = kube.real_nodes
     if real is None or real.guests is None:
         pytest.skip("Multus is the harness's: an external cluster brings its own (docs/kind.md)")
     for mode in ("macvlan", "ipvlan"):
-        _podnet_round(kube, real, mode, figures, host_pod=mode == "macvlan")
+        # one hostNetwork pod and one pod ÷ node measurement: each needs one mode only
+        _podnet_round(
+            kube, real, mode, figures, host_pod=mode == "macvlan", pod_node=mode == "ipvlan"
+        )
 
 
 def _podnet_round(
-    kube: Kube, real: RealNodes, mode: str, figures: list[str], *, host_pod: bool
+    kube: Kube, real: RealNodes, mode: str, figures: list[str], *, host_pod: bool, pod_node: bool
 ) -> None:
     """test_6 with one attachment mode, from apply to the network's cleanup."""
     assert real.guests is not None
@@ -1192,22 +1195,33 @@ def _podnet_round(
         assert delta["pn-a"][0] >= sent and delta["pn-b"][1] >= sent, (delta, sent)
         # ... and not the pod network's eth0 (kubectl exec does not use it)
         assert delta["pn-a"][2] < sent // 10 and delta["pn-b"][3] < sent // 10, (delta, sent)
-        # Pod ÷ node through the data NIC's own attachment (test_5's pods use the pod
-        # network's veth and bridge, which costs the TCG guests a third or more).
-        arms = pod_transport.measure(
-            kube, (real.guests[0], real.guests[1]), PN_POD_NAMESPACE, names, ips,
-            run("pn-a", 'echo "$MR_CONFIG"').strip(), node_runs=TRANSPORT_RUNS, loss_runs=0,
-        )  # fmt: skip
-        figures.append(pod_transport.pod_node_figure(arms, f"mr0 ({mode} on eth0)"))
-        pod_node = arms.paired_ratio("pod 0%", "node 0%")
-        assert pod_node >= 0.3, (pod_node, arms.runs)  # a floor against breakage only
+        if pod_node:
+            # Pod ÷ node through the data NIC's own attachment (test_5's pods use the pod
+            # network's veth and bridge, which costs the TCG guests a third or more).
+            arms = pod_transport.measure(
+                kube, (real.guests[0], real.guests[1]), PN_POD_NAMESPACE, names, ips,
+                run("pn-a", 'echo "$MR_CONFIG"').strip(), node_runs=TRANSPORT_RUNS, loss_runs=0,
+            )  # fmt: skip
+            figures.append(pod_transport.pod_node_figure(arms, f"mr0 ({mode} on eth0)"))
+            ratio = arms.paired_ratio("pod 0%", "node 0%")
+            assert ratio >= 0.3, (ratio, arms.runs)  # a floor against breakage only
         kube.kubectl("delete", "namespace", PN_POD_NAMESPACE, "--wait=true", timeout=240)
     finally:
         kube.kubectl("delete", "namespace", PN_POD_NAMESPACE, "--ignore-not-found", check=False)
-        kube.kubectl(
-            "delete", "metarocenetwork", PN_NETWORK, "--ignore-not-found", "--wait=true",
-            timeout=300, check=False,
-        )  # fmt: skip
+        deleted = kube.kubectl("delete", "metarocenetwork", PN_NETWORK, "--wait=false",
+                               "--ignore-not-found", check=False)  # fmt: skip
+        if deleted.returncode == 0:
+
+            def gone() -> bool:
+                got = kube.kubectl("get", "metarocenetwork", PN_NETWORK, check=False)
+                return bool(got.returncode != 0)
+
+            try:
+                took = _wait(f"the {mode} podnet network deleted (its nodes reverted)", gone, 300)
+            except AssertionError:
+                _print_revert_state(kube, PN_NETWORK)
+                raise
+            figures.append(f"podNetwork {mode}: network deleted, nodes reverted {took:.1f} s")
     # cleanupOnDelete: the agents removed the nodes' CNI configuration, the operator the
     # blocks and the garbage collector the NAD
     for g in real.guests[:2]:
