@@ -137,13 +137,13 @@ def pod_node_figure(arms: Arms, via: str) -> str:
 
 
 def figures(arms: Arms) -> list[str]:
-    """The table lines the e2e tier prints."""
+    """The table lines the e2e tier prints of loss runs (pod ÷ node: ``pod_node_figure``)."""
     mr = arms.median("pod 1%") / arms.median("pod 0%")
     rxe0 = arms.median("rxe 0%") if "rxe 0%" in arms.runs else 0.0
     rxe = arms.median("rxe 1%") / rxe0 if rxe0 > 0 else 0.0
     retx = [r["retransmits"] for r in arms.reports if r["arm"] == "pod 1%"]
     rcvbuf = sorted({r["sock_rcvbuf"] for r in arms.reports})
-    lines = [
+    return [
         f"metaroce between the pods at 1% netem loss: {mr:.2f} of lossless "
         f"({arms.median('pod 1%'):.3f} of {arms.median('pod 0%'):.3f} Gbit/s, medians of "
         f"{len(arms.runs['pod 1%'])} and {len(arms.runs['pod 0%'])} runs; retransmits {retx}); "
@@ -153,10 +153,8 @@ def figures(arms: Arms) -> list[str]:
             if "rxe 1%" in arms.runs
             else "rxe beside it: see the demo (bash hack/demo.sh --runs 5)"
         ),
+        f"the pods' socket buffers {rcvbuf}",
     ]
-    if "node 0%" in arms.runs:
-        lines.append(pod_node_figure(arms, "the pod network (veth and bridge)"))
-    return [*lines, f"the pods' socket buffers {rcvbuf}"]
 
 
 # -- real clients between the pods ------------------------------------------------------------

@@ -664,6 +664,25 @@ def _print_revert_state(kube: Kube, network: str = MR_NETWORK) -> None:
         print(f"--- agent {name} ({pod['spec'].get('nodeName')}):\n{logs.stdout}{logs.stderr}")
 
 
+def _delete_network(kube: Kube, network: str, what: str, timeout: float) -> float | None:
+    """Delete `network` and wait until it is gone (its finalizer waits for the nodes to
+    revert); on timeout, print what it waits for. The seconds it took, None when the
+    delete itself failed (the network was not there, or the apiserver refused)."""
+    deleted = kube.kubectl("delete", "metarocenetwork", network, "--wait=false",
+                           "--ignore-not-found", check=False)  # fmt: skip
+    if deleted.returncode != 0:
+        return None
+
+    def gone() -> bool:
+        return bool(kube.kubectl("get", "metarocenetwork", network, check=False).returncode != 0)
+
+    try:
+        return _wait(f"{what} deleted (its nodes reverted)", gone, timeout)
+    except AssertionError:
+        _print_revert_state(kube, network)
+        raise
+
+
 def _library_upgrade(
     kube: Kube,
     guests: Any,
@@ -998,19 +1017,7 @@ def test_5_metaroce_network_rolls_out_and_pods_get_the_library(
         kube.kubectl("delete", "namespace", MR_POD_NAMESPACE, "--wait=true", timeout=240)
     finally:
         kube.kubectl("delete", "namespace", MR_POD_NAMESPACE, "--ignore-not-found", check=False)
-        deleted = kube.kubectl("delete", "metarocenetwork", MR_NETWORK, "--wait=false",
-                               "--ignore-not-found", check=False)  # fmt: skip
-        if deleted.returncode == 0:
-
-            def gone() -> bool:
-                got = kube.kubectl("get", "metarocenetwork", MR_NETWORK, check=False)
-                return bool(got.returncode != 0)
-
-            try:
-                _wait("the metaroce network deleted (its nodes reverted)", gone, 240)
-            except AssertionError:
-                _print_revert_state(kube)
-                raise
+        _delete_network(kube, MR_NETWORK, "the metaroce network", 240)
     _wait("metaroce agent pods gone", lambda: not _mr_agents(kube), 240)
     real = kube.real_nodes
     if real is not None and real.guests is not None:
@@ -1208,19 +1215,8 @@ def _podnet_round(
         kube.kubectl("delete", "namespace", PN_POD_NAMESPACE, "--wait=true", timeout=240)
     finally:
         kube.kubectl("delete", "namespace", PN_POD_NAMESPACE, "--ignore-not-found", check=False)
-        deleted = kube.kubectl("delete", "metarocenetwork", PN_NETWORK, "--wait=false",
-                               "--ignore-not-found", check=False)  # fmt: skip
-        if deleted.returncode == 0:
-
-            def gone() -> bool:
-                got = kube.kubectl("get", "metarocenetwork", PN_NETWORK, check=False)
-                return bool(got.returncode != 0)
-
-            try:
-                took = _wait(f"the {mode} podnet network deleted (its nodes reverted)", gone, 300)
-            except AssertionError:
-                _print_revert_state(kube, PN_NETWORK)
-                raise
+        took = _delete_network(kube, PN_NETWORK, f"the {mode} podnet network", 300)
+        if took is not None:
             figures.append(f"podNetwork {mode}: network deleted, nodes reverted {took:.1f} s")
     # cleanupOnDelete: the agents removed the nodes' CNI configuration, the operator the
     # blocks and the garbage collector the NAD
