@@ -479,10 +479,14 @@ impl Connection {
         }
     }
 
-    /// Requeue the packets other paths' ACKs show overdue (see `Path::late_after`).
+    /// Requeue the packets other paths' ACKs show overdue (see `Path::late_after`),
+    /// and what a timeout held on a path that stays silent (see `Path::on_timeout`).
     fn take_late(&mut self, now: Micros, out: &mut Shared) {
         let evidence = self.newest_acked_order;
         for i in 0..self.paths.len() {
+            for f in self.paths[i].take_held(evidence) {
+                self.requeue(f, i);
+            }
             let lost = self.paths[i].take_late(&self.params.timers, now, evidence);
             for f in lost {
                 out.counters.late_losses += 1;
@@ -812,7 +816,7 @@ impl Connection {
                 let deadline = oldest.max(p.last_ack_at) + p.rto(&timers, now);
                 if now >= deadline {
                     out.counters.rtos += 1;
-                    let frames = p.on_timeout(now);
+                    let frames = p.on_timeout(now, self.sent_order + 1);
                     if p.backoff >= FAIL_AFTER_RTOS && p.state == PathState::Active {
                         p.state = PathState::Failed;
                         p.failed_since = now;

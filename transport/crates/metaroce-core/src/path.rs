@@ -173,6 +173,9 @@ pub struct Path {
     pub tlp_armed: bool,
     /// What the last timeout gave up on, until an ACK shows whether it was spurious.
     timed_out: Option<TimedOut>,
+    /// After a timeout, the rest of the window waits (see `on_timeout`) until a
+    /// packet sent from this send order on is acknowledged on any path.
+    held_until_order: Option<u64>,
     /// A floor under the RTO learned from spurious timeouts (see `rto`).
     rto_floor: Micros,
     rto_floor_at: Micros,
@@ -240,6 +243,7 @@ impl Path {
             ce_echoed: 0,
             tlp_armed: false,
             timed_out: None,
+            held_until_order: None,
             rto_floor: 0,
             rto_floor_at: 0,
             spurious_rtos: 0,
@@ -350,7 +354,7 @@ impl Path {
     /// lost (a path is FIFO, so a gap is a loss, not reordering).
     /// `common` is the lowest recent RTT of the connection's live paths (see `congestion::Delay`).
     pub fn on_ack(&mut self, now: Micros, entry: &AckEntry, ack_delay: Micros, common: Micros) -> AckOutcome {
-        self.check_timeout(now, entry);
+        let stalled = self.check_timeout(now, entry);
         let mut out = AckOutcome::default();
         let highest = sack::sacked(entry).last().unwrap_or(entry.cum.wrapping_sub(1));
         let below_cum = |psn: u32| psn.wrapping_sub(entry.cum) >= 1 << 31;
@@ -375,17 +379,20 @@ impl Path {
         self.inflight_bytes = self.in_flight.iter().map(|p| p.bytes as u64).sum();
         out.newest_order = newest_order;
         if let Some(sent_at) = newest_acked {
-            let sample = now.saturating_sub(sent_at).saturating_sub(ack_delay).max(1);
-            self.rtt.update(sample);
-            self.rtt_samples = self.rtt_samples.saturating_add(1);
+            if !stalled {
+                let sample = now.saturating_sub(sent_at).saturating_sub(ack_delay).max(1);
+                self.rtt.update(sample);
+                self.rtt_samples = self.rtt_samples.saturating_add(1);
+                self.recent_rtt.update(now, sample);
+                let recent = self.recent_rtt.get();
+                let delay = Delay { rtt: sample, min_rtt: self.rtt.min, srtt: self.rtt.srtt, recent, common: common.min(recent) };
+                self.cc.on_ack(now, out.acked_bytes, delay);
+            }
             self.backoff = 0;
             self.last_ack_at = now;
-            self.recent_rtt.update(now, sample);
-            let recent = self.recent_rtt.get();
-            let delay = Delay { rtt: sample, min_rtt: self.rtt.min, srtt: self.rtt.srtt, recent, common: common.min(recent) };
-            self.cc.on_ack(now, out.acked_bytes, delay);
             self.sample_rate(now, out.acked_bytes);
             self.tlp_armed = !self.in_flight.is_empty();
+            self.held_until_order = None; // the path answers: its gaps speak now
         }
         self.check_late_spurious(now, entry);
         // CE and received counts are cumulative: take the deltas.
@@ -426,10 +433,15 @@ impl Path {
         (1.0 - STEER_GAIN * self.cc.alpha()).clamp(STEER_MIN, 1.0)
     }
 
-    /// A retransmission timeout: the window to the minimum, everything in flight
-    /// declared lost (returned) and remembered, so that an ACK showing it arrived
-    /// after all undoes the cut and raises the RTO floor.
-    pub fn on_timeout(&mut self, now: Micros) -> Vec<Frame> {
+    /// A retransmission timeout: the window to the minimum and the window in flight
+    /// remembered, so that an ACK showing it arrived after all undoes the cut and
+    /// raises the RTO floor. Only the oldest packet is given up (returned) at once;
+    /// the rest is held, as F-RTO does (RFC 5682), until either an ACK of this path
+    /// answers (the normal gap rules take over, and a host stall costs one resend,
+    /// not a window) or a packet sent from `next_order` on is acknowledged on any
+    /// path (`take_held`: the hosts answer, so this path's silence is real and the
+    /// rest moves too), or a second timeout gives up everything.
+    pub fn on_timeout(&mut self, now: Micros, next_order: u64) -> Vec<Frame> {
         let suspect_until = now + 8 * self.rtt.srtt.max(100);
         if let Some(oldest) = self.in_flight.front() {
             let cc_before = self.timed_out.take().map_or_else(|| self.cc.clone(), |t| t.cc_before);
@@ -438,26 +450,48 @@ impl Path {
         self.cc.on_timeout(now, self.backoff);
         self.backoff += 1;
         self.suspect_until = suspect_until;
-        self.take_all_in_flight()
+        self.tlp_armed = false;
+        if self.held_until_order.is_some() || self.in_flight.len() <= 1 {
+            return self.take_all_in_flight();
+        }
+        self.held_until_order = Some(next_order);
+        let oldest = self.in_flight.pop_front().expect("more than one in flight");
+        self.inflight_bytes -= oldest.bytes as u64;
+        vec![oldest.frame]
+    }
+
+    /// The packets a timeout held, once `evidence` (the send order of the newest
+    /// packet acknowledged on any path) shows a packet sent after the timeout arrived.
+    pub fn take_held(&mut self, evidence: u64) -> Vec<Frame> {
+        match self.held_until_order {
+            Some(order) if evidence >= order => self.take_all_in_flight(),
+            _ => Vec::new(),
+        }
     }
 
     /// Whether `entry` shows a PSN the last timeout gave up on as received. The
     /// sender's floor moves the receiver's cumulative point to `hi` once a packet
     /// sent after the timeout arrives, so a cumulative point of exactly `hi` is
     /// only proof when no later packet is SACKed (none of them had arrived).
-    fn timeout_was_spurious(t: &TimedOut, entry: &AckEntry) -> bool {
+    /// While the rest is held only the oldest packet is given up, so a later packet's
+    /// floor moves the cumulative point to `lo + 1`: like `hi`, no proof with a SACK bit set.
+    fn timeout_was_spurious(t: &TimedOut, entry: &AckEntry, holding: bool) -> bool {
         let span = t.hi.wrapping_sub(t.lo);
         let cum_in = entry.cum.wrapping_sub(t.lo).wrapping_sub(1) < span;
         // One pass over the SACK bits: whether any is set, and whether one is in range.
         let (any_sacked, sacked_in) =
             sack::sacked(entry).fold((false, false), |(_, inside), psn| (true, inside || psn.wrapping_sub(t.lo) < span));
-        let cum_at_hi_alone = entry.cum == t.hi && !any_sacked;
-        cum_in && entry.cum != t.hi || cum_at_hi_alone && t.hi != t.lo || sacked_in
+        let floor_may_explain = entry.cum == t.hi || holding && entry.cum == t.lo.wrapping_add(1);
+        cum_in && (!floor_may_explain || !any_sacked) || sacked_in
     }
 
-    fn check_timeout(&mut self, now: Micros, entry: &AckEntry) {
-        let Some(t) = &self.timed_out else { return };
-        if Self::timeout_was_spurious(t, entry) {
+    /// True when `entry` shows the last timeout spurious: then the packets it held
+    /// waited out a stall of the hosts, and their RTT is no sample of the path's
+    /// (the stall raises the RTO floor instead, and the delay controller must not
+    /// read it as a queue).
+    fn check_timeout(&mut self, now: Micros, entry: &AckEntry) -> bool {
+        let Some(t) = &self.timed_out else { return false };
+        if Self::timeout_was_spurious(t, entry, self.held_until_order.is_some()) {
             let t = self.timed_out.take().expect("checked");
             self.spurious_rtos += 1;
             // The ACK took this long: the next timeout waits a quarter more.
@@ -473,13 +507,16 @@ impl Path {
             if self.suspect_until == t.suspect_until {
                 self.suspect_until = 0;
             }
+            return true;
         } else if entry.cum.wrapping_sub(t.hi) < 1 << 31 && entry.cum != t.hi {
             self.timed_out = None; // past it, nothing of it shown: a real loss
         }
+        false
     }
 
     /// Everything in flight is declared lost (a timeout, a failed path).
     pub fn take_all_in_flight(&mut self) -> Vec<Frame> {
+        self.held_until_order = None;
         self.inflight_bytes = 0;
         self.in_flight.drain(..).map(|p| p.frame).collect()
     }
@@ -532,7 +569,8 @@ impl Path {
     /// (it counts towards the path's failure).
     pub fn late_deadline(&self, t: &PathTimers, now: Micros, evidence: u64) -> Option<Micros> {
         let p = self.in_flight.front()?;
-        if p.order >= evidence || self.state != PathState::Active || now >= self.last_ack_at + self.rto(t, now) {
+        let silent = now >= self.last_ack_at + self.rto(t, now) || self.held_until_order.is_some();
+        if p.order >= evidence || self.state != PathState::Active || silent {
             return None;
         }
         Some(p.sent_at + self.late_after(now)?)
@@ -644,16 +682,76 @@ mod tests {
         for psn in 8..12 {
             p.on_sent(now, Frame::Ping, 1000, false, psn as u64);
         }
-        // The host stalls past the RTO: the four packets are given up on.
+        // The host stalls past the RTO: the oldest packet is given up on, the rest held.
         now += 20 * MS;
-        assert_eq!(p.on_timeout(now).len(), 4);
+        assert_eq!(p.on_timeout(now, 12).len(), 1);
+        assert_eq!(p.in_flight.len(), 3);
         assert!(p.cc.window() < before);
         assert!(p.suspect_until > now);
-        // The ACK shows they all arrived: the timeout was spurious.
+        // The ACK shows they all arrived: the timeout was spurious, and the held
+        // three were never sent again.
         now += 100;
         p.on_ack(now, &ack(12), 0, 100);
         assert_eq!(p.spurious_rtos, 1);
+        assert!(p.in_flight.is_empty());
         assert_eq!(p.cc.window(), before);
         assert_eq!(p.suspect_until, 0, "no longer paced at a quarter of its rate");
+    }
+
+    /// A path with 8 packets acknowledged, then `n` in flight (orders 8..8+n).
+    fn path_with_window(n: u32) -> (Path, Micros) {
+        let mut p = Path::new(0, 0, 1000, 1 << 20, 100, 500);
+        let mut now = 1_000;
+        for psn in 0..8 {
+            p.on_sent(now, Frame::Ping, 1000, false, psn as u64);
+            now += 100;
+            p.on_ack(now, &ack(psn + 1), 0, 100);
+        }
+        for psn in 8..8 + n {
+            p.on_sent(now, Frame::Ping, 1000, false, psn as u64);
+        }
+        (p, now + 20 * MS)
+    }
+
+    #[test]
+    fn a_silent_path_gives_up_its_held_window_once_a_later_packet_is_acked_elsewhere() {
+        let (mut p, now) = path_with_window(4);
+        assert_eq!(p.on_timeout(now, 12).len(), 1);
+        // ACKs of packets sent before the timeout prove nothing about this path.
+        assert!(p.take_held(11).is_empty());
+        assert_eq!(p.inflight_bytes, 3000);
+        // One sent after it (the resend, on another path) arrived: the rest moves.
+        assert_eq!(p.take_held(12).len(), 3);
+        assert_eq!(p.inflight_bytes, 0);
+        assert!(p.take_held(13).is_empty());
+    }
+
+    #[test]
+    fn a_second_timeout_gives_up_what_the_first_held() {
+        let (mut p, now) = path_with_window(4);
+        assert_eq!(p.on_timeout(now, 12).len(), 1);
+        assert_eq!(p.on_timeout(now + 40 * MS, 12).len(), 3);
+        assert_eq!(p.backoff, 2);
+    }
+
+    #[test]
+    fn while_held_a_cumulative_point_the_floor_moved_is_no_proof() {
+        let (mut p, now) = path_with_window(4);
+        assert_eq!(p.on_timeout(now, 12).len(), 1);
+        // Sent while the rest is held: its floor skips only PSN 8, given up.
+        p.on_sent(now, Frame::Ping, 1000, false, 12);
+        let mut e = ack(9);
+        e.sack[0] = 1 << 2; // 12 (cum + 3) arrived, 8 did not: the floor moved cum to 9
+        let out = p.on_ack(now + 100, &e, 0, 100);
+        assert_eq!(p.spurious_rtos, 0, "the floor, not an arrival, moved the point to 9");
+        assert_eq!(out.lost.len(), 3, "9, 10 and 11 are gaps below 12");
+    }
+
+    #[test]
+    fn held_packets_are_not_declared_late_one_by_one() {
+        let (mut p, now) = path_with_window(4);
+        p.rtt_samples = LATE_MIN_SAMPLES;
+        assert_eq!(p.on_timeout(now, 12).len(), 1);
+        assert_eq!(p.late_deadline(&TIMERS, now, 11), None);
     }
 }

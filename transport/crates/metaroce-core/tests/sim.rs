@@ -148,7 +148,10 @@ fn stalls_longer_than_the_min_rto_teach_an_rto_floor() {
     // this run took 2947 timeouts and 19% spurious resends.
     let seconds = took.div_ceil(SEC);
     assert!(a.rtos <= 3 * cfg().paths as u64 * seconds, "{} timeouts in {seconds} s: {a:?}", a.rtos);
-    assert!((b.dup_rcvd as f64) <= 0.02 * a.pkts_sent as f64, "spurious resends {} of {}", b.dup_rcvd, a.pkts_sent);
+    // A timeout resends only its oldest packet and holds the rest until an ACK
+    // answers (`Path::on_timeout`): 989 spurious resends here, where handing the
+    // whole window back at each timeout sent 2013 (1.7%).
+    assert!((b.dup_rcvd as f64) <= 0.01 * a.pkts_sent as f64, "spurious resends {} of {}", b.dup_rcvd, a.pkts_sent);
     // Every copy the receiver saw twice was sent again, tail-loss probes included: the
     // spurious share of the resends is at most 1 (reports once read 963 of 928).
     assert!(b.dup_rcvd <= a.retransmits, "dup_rcvd {} > retransmits {}", b.dup_rcvd, a.retransmits);
