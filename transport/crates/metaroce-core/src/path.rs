@@ -455,9 +455,7 @@ impl Path {
             return self.take_all_in_flight();
         }
         self.held_until_order = Some(next_order);
-        let oldest = self.in_flight.pop_front().expect("more than one in flight");
-        self.inflight_bytes -= oldest.bytes as u64;
-        vec![oldest.frame]
+        vec![self.pop_oldest().expect("more than one in flight").frame]
     }
 
     /// The packets a timeout held, once `evidence` (the send order of the newest
@@ -512,6 +510,13 @@ impl Path {
             self.timed_out = None; // past it, nothing of it shown: a real loss
         }
         false
+    }
+
+    /// The oldest packet in flight leaves the window (given up on).
+    fn pop_oldest(&mut self) -> Option<SentPacket> {
+        let p = self.in_flight.pop_front()?;
+        self.inflight_bytes -= p.bytes as u64;
+        Some(p)
     }
 
     /// Everything in flight is declared lost (a timeout, a failed path).
@@ -618,8 +623,7 @@ impl Path {
             if now < deadline {
                 break;
             }
-            let p = self.in_flight.pop_front().expect("a deadline has a packet");
-            self.inflight_bytes -= p.bytes as u64;
+            let p = self.pop_oldest().expect("a deadline has a packet");
             while self.late_declared.len() >= LATE_REMEMBERED
                 || self.late_declared.front().is_some_and(|d| now.saturating_sub(d.sent_at) > SEC)
             {
@@ -669,36 +673,8 @@ mod tests {
         assert_eq!(p.suspect_until, 0);
     }
 
-    #[test]
-    fn a_timeout_shown_spurious_gives_back_its_cut_and_suspect_mark() {
-        let mut p = Path::new(0, 0, 1000, 1 << 20, 100, 500);
-        let mut now = 1_000;
-        for psn in 0..8 {
-            p.on_sent(now, Frame::Ping, 1000, false, psn as u64);
-            now += 100;
-            p.on_ack(now, &ack(psn + 1), 0, 100);
-        }
-        let before = p.cc.window();
-        for psn in 8..12 {
-            p.on_sent(now, Frame::Ping, 1000, false, psn as u64);
-        }
-        // The host stalls past the RTO: the oldest packet is given up on, the rest held.
-        now += 20 * MS;
-        assert_eq!(p.on_timeout(now, 12).len(), 1);
-        assert_eq!(p.in_flight.len(), 3);
-        assert!(p.cc.window() < before);
-        assert!(p.suspect_until > now);
-        // The ACK shows they all arrived: the timeout was spurious, and the held
-        // three were never sent again.
-        now += 100;
-        p.on_ack(now, &ack(12), 0, 100);
-        assert_eq!(p.spurious_rtos, 1);
-        assert!(p.in_flight.is_empty());
-        assert_eq!(p.cc.window(), before);
-        assert_eq!(p.suspect_until, 0, "no longer paced at a quarter of its rate");
-    }
-
-    /// A path with 8 packets acknowledged, then `n` in flight (orders 8..8+n).
+    /// A path with 8 packets acknowledged, then `n` in flight (orders 8..8+n),
+    /// and a time 20 ms after they were sent (past the RTO).
     fn path_with_window(n: u32) -> (Path, Micros) {
         let mut p = Path::new(0, 0, 1000, 1 << 20, 100, 500);
         let mut now = 1_000;
@@ -711,6 +687,26 @@ mod tests {
             p.on_sent(now, Frame::Ping, 1000, false, psn as u64);
         }
         (p, now + 20 * MS)
+    }
+
+    #[test]
+    fn a_timeout_shown_spurious_gives_back_its_cut_and_suspect_mark() {
+        // Sending leaves the window as it is: `before` is the window before the stall.
+        let (mut p, mut now) = path_with_window(4);
+        let before = p.cc.window();
+        // The host stalls past the RTO: the oldest packet is given up on, the rest held.
+        assert_eq!(p.on_timeout(now, 12).len(), 1);
+        assert_eq!(p.in_flight.len(), 3);
+        assert!(p.cc.window() < before);
+        assert!(p.suspect_until > now);
+        // The ACK shows they all arrived: the timeout was spurious, and the held
+        // three were never sent again.
+        now += 100;
+        p.on_ack(now, &ack(12), 0, 100);
+        assert_eq!(p.spurious_rtos, 1);
+        assert!(p.in_flight.is_empty());
+        assert_eq!(p.cc.window(), before);
+        assert_eq!(p.suspect_until, 0, "no longer paced at a quarter of its rate");
     }
 
     #[test]
