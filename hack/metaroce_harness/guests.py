@@ -53,7 +53,8 @@ API (all timeouts in seconds):
   ``start()``/``close()`` or a ``with`` block; ``len()``, indexing and iteration give
   ``Guest`` objects; ``run_all(cmd, **kw)`` runs a command on every guest in parallel.
   Booting is parallel; a guest that does not come up within ``boot_timeout`` (a hung
-  boot) is killed and booted again, ``boot_attempts`` times in all.
+  boot), or whose clock is wrong (``clock_is_wrong``), is killed
+  and booted again, ``boot_attempts`` times in all.
 - ``Guest.run(cmd, *, timeout=60.0, check=False, env=None, cwd=None, input=None)
   -> CommandResult`` where ``cmd`` is a ``bash -c`` string or an argv list. Raises
   ``GuestTimeoutError`` (with the partial result) when the command outlives ``timeout``
@@ -998,6 +999,27 @@ def leftovers(owner_pid: int | None = None) -> list[str]:
     return found
 
 
+def clock_is_wrong(uptime: float, host_seconds: float) -> str | None:
+    """Why a guest's clock is wrong, or None, from its uptime once it is up and the
+    host's seconds since it started qemu. The guest cannot have been up longer than
+    the host waited (5% and a second cover the two reading points), nor booted in a
+    fifth of it (qemu starts in under 2 s; kernel, /init and guestd take 4 s of the
+    guest's own time). A kernel whose TSC calibration against the emulated PIT goes
+    wrong on a busy host (seen once: its clock ran 18x fast) keeps the wrong rate, as
+    `tsc=reliable` turns off the watchdog that would catch it, and its timeouts,
+    sleeps and qdisc rates then mean nothing."""
+    if uptime > host_seconds * 1.05 + 1.0:
+        how = "fast"
+    elif uptime < (host_seconds - 2.0) / 5:
+        how = "slow"
+    else:
+        return None
+    return (
+        f"guest clock runs {how}, {uptime / max(host_seconds, 0.1):.2f}x the host's (uptime "
+        f"{uptime:.1f} s after {host_seconds:.1f} s of host time): a TSC miscalibrated at boot"
+    )
+
+
 def _default_log_root() -> Path:
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return cache / "metaroce" / "guest-logs"
@@ -1337,6 +1359,15 @@ class GuestCluster:
             f"--- console tail ---\n{g.console_tail()}"
         )
 
+    @staticmethod
+    def _tsc_lines(g: Guest) -> str:
+        """The guest kernel's TSC calibration lines, for the log of a bad clock."""
+        try:
+            out = g.run("dmesg | grep -E 'tsc: |Switched to clocksource'", timeout=10).stdout
+        except (GuestError, OSError):
+            return ""
+        return "; the guest's kernel said:\n" + out.strip() if out.strip() else ""
+
     def _wait_for_boot(self) -> None:
         pending = list(self.guests)
         last_note = time.monotonic()
@@ -1356,13 +1387,18 @@ class GuestCluster:
                         )
                     g.boot_seconds = time.monotonic() - g.started_at
                     g.kernel = str(info.get("kernel", ""))
+                    uptime = float(info.get("uptime", 0.0))
                     log.info(
                         "%s: up in %.1f s (guest uptime %.1f s, kernel %s)",
                         g.name,
                         g.boot_seconds,
-                        float(info.get("uptime", 0.0)),
+                        uptime,
                         g.kernel,
                     )
+                    bad_clock = clock_is_wrong(uptime, g.boot_seconds)
+                    if bad_clock:
+                        self._boot_failure(g, f"{bad_clock}{self._tsc_lines(g)}")
+                        continue
                     pending.remove(g)
                 elif g.proc.poll() is not None:
                     self._boot_failure(g, f"qemu exited with {g.proc.returncode} while booting")

@@ -147,6 +147,22 @@ def test_hung_boot_is_retried_then_reported_and_cleaned_up(guest_image: GuestIma
     _assert_cleaned_up(cluster)
 
 
+def test_a_guest_whose_clock_runs_fast_is_booted_again_then_reported(
+    guest_image: GuestImage,
+) -> None:
+    """The failure a busy host gave CI once (a TSC calibrated at a 14th-18th of its rate,
+    kept because `tsc=reliable` turns the watchdog off), forced here by telling the
+    kernel that rate: the guest is booted again, then refused with its kernel's words."""
+    cluster = GuestCluster(
+        count=1, image=guest_image, share=None, kernel_args="tsc_early_khz=135000"
+    )
+    with pytest.raises(GuestBootError, match="guest clock runs fast") as exc:
+        cluster.start()
+    assert cluster[0].attempts == 2
+    assert "tsc: Detected 135.000 MHz processor" in str(exc.value)
+    _assert_cleaned_up(cluster)
+
+
 def test_qemu_failure_is_reported_with_its_log(guest_image: GuestImage, tmp_path: Path) -> None:
     bad_kernel = tmp_path / "vmlinux"
     bad_kernel.write_bytes(b"not a kernel")
