@@ -24,6 +24,7 @@
 Run as root (network namespaces). Figures print as a table and go to --json.
 
   .venv/bin/python bench/transport_scenarios.py [--runs 3] [--perf PATH] [--wire-bins]
+      [--mtu 1500|9000]
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def perf(
     """One bw run B -> A (server in A, client in B): the client's JSON, with 10 ms bins
     when `bins` (both ends then read their counters every 0.25 ms)."""
     a, b = fab.data_addr("a"), fab.data_addr("b")
-    server = [perf_bin, "server", "--once", "--config", f"addr={a},ports=30000-30100"]
+    mtu = f",mtu={fab.mtu}" if fab.mtu != fabric.DEFAULT_MTU else ""
+    server = [perf_bin, "server", "--once", "--config", f"addr={a},ports=30000-30100{mtu}"]
     srv = subprocess.Popen(
         fab.exec_argv("a", server),
         stdout=subprocess.PIPE,
@@ -80,7 +82,7 @@ def perf(
         url = line.split()[-1]
         argv = [perf_bin, "client", url, "--duration", str(seconds), "--size", str(size)]
         argv += ["--window", "32", "--json", *(["--bins-ms", str(BIN_MS)] if bins else [])]
-        argv += ["--config", f"addr={b},ports=31000-31100"]
+        argv += ["--config", f"addr={b},ports=31000-31100{mtu}"]
         p = subprocess.run(
             fab.exec_argv("b", argv), capture_output=True, text=True, timeout=seconds + 60
         )
@@ -338,10 +340,13 @@ def incast(inc: fabric.IncastFabric, perf_bin: str, capacity: float, hint: bool)
     }
 
 
-def multipath_scenarios(runs: int, perf_bin: str, report: dict[str, Any], wire: bool) -> None:
+def multipath_scenarios(
+    runs: int, perf_bin: str, report: dict[str, Any], wire: bool, mtu: int
+) -> None:
     report["runs"] = []
-    with fabric.MultipathFabric(name=fabric.new_name("mrfs")) as fab:
-        cap = fab.capacity(seconds=3.0)
+    report["mtu"] = mtu
+    with fabric.MultipathFabric(name=fabric.new_name("mrfs"), mtu=mtu) as fab:
+        cap = fab.capacity(seconds=3.0, payload=mtu - 28)  # the largest UDP payload
         capacity = float(cap["total_mbit"])
         report["capacity_mbit"] = capacity
         for i in range(runs):
@@ -433,13 +438,21 @@ def main() -> int:
         "0.5 ms (bench/link_rx_sampler.py): the bytes on the wire, free of when the "
         "sender processed their ACKs; the sampler's CPU shows in the other figures",
     )
+    ap.add_argument(
+        "--mtu",
+        type=int,
+        default=fabric.DEFAULT_MTU,
+        choices=[1500, 9000],
+        help="the multipath fabric's MTU (and the endpoints'); capacity is measured with "
+        "datagrams of the same size",
+    )
     args = ap.parse_args()
     if not Path(args.perf).is_file():
         print(f"{args.perf} does not exist: run bash hack/build-transport.sh", file=sys.stderr)
         return 2
     report: dict[str, Any] = {"loadavg_start": loadavg()}
     if args.only != "incast":
-        multipath_scenarios(args.runs, args.perf, report, args.wire_bins)
+        multipath_scenarios(args.runs, args.perf, report, args.wire_bins, args.mtu)
     if args.only != "multipath":
         incast_scenarios(args.runs, args.perf, report)
     report["loadavg_end"] = loadavg()
