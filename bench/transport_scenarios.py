@@ -66,8 +66,7 @@ def perf(
     """One bw run B -> A (server in A, client in B): the client's JSON, with 10 ms bins
     when `bins` (both ends then read their counters every 0.25 ms)."""
     a, b = fab.data_addr("a"), fab.data_addr("b")
-    mtu = f",mtu={fab.mtu}" if fab.mtu != fabric.DEFAULT_MTU else ""
-    server = [perf_bin, "server", "--once", "--config", f"addr={a},ports=30000-30100{mtu}"]
+    server = [perf_bin, "server", "--once", "--config", f"addr={a},ports=30000-30100,mtu={fab.mtu}"]
     srv = subprocess.Popen(
         fab.exec_argv("a", server),
         stdout=subprocess.PIPE,
@@ -82,7 +81,7 @@ def perf(
         url = line.split()[-1]
         argv = [perf_bin, "client", url, "--duration", str(seconds), "--size", str(size)]
         argv += ["--window", "32", "--json", *(["--bins-ms", str(BIN_MS)] if bins else [])]
-        argv += ["--config", f"addr={b},ports=31000-31100{mtu}"]
+        argv += ["--config", f"addr={b},ports=31000-31100,mtu={fab.mtu}"]
         p = subprocess.run(
             fab.exec_argv("b", argv), capture_output=True, text=True, timeout=seconds + 60
         )
@@ -346,7 +345,7 @@ def multipath_scenarios(
     report["runs"] = []
     report["mtu"] = mtu
     with fabric.MultipathFabric(name=fabric.new_name("mrfs"), mtu=mtu) as fab:
-        cap = fab.capacity(seconds=3.0, payload=mtu - 28)  # the largest UDP payload
+        cap = fab.capacity(seconds=3.0)
         capacity = float(cap["total_mbit"])
         report["capacity_mbit"] = capacity
         for i in range(runs):

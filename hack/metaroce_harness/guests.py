@@ -53,8 +53,8 @@ API (all timeouts in seconds):
   ``start()``/``close()`` or a ``with`` block; ``len()``, indexing and iteration give
   ``Guest`` objects; ``run_all(cmd, **kw)`` runs a command on every guest in parallel.
   Booting is parallel; a guest that does not come up within ``boot_timeout`` (a hung
-  boot), or whose clock is wrong (``clock_is_wrong``), is killed
-  and booted again, ``boot_attempts`` times in all.
+  boot), or whose clock is wrong (``clock_is_wrong``), is killed and booted again,
+  ``boot_attempts`` times in all.
 - ``Guest.run(cmd, *, timeout=60.0, check=False, env=None, cwd=None, input=None)
   -> CommandResult`` where ``cmd`` is a ``bash -c`` string or an argv list. Raises
   ``GuestTimeoutError`` (with the partial result) when the command outlives ``timeout``

@@ -68,6 +68,7 @@ the nftables impairment) and queueing delay stays in milliseconds."""
 INCAST_RATE_MBIT = 500
 """The incast fabric's receiver-facing bridge port; senders' own ports are unshaped veth."""
 DEFAULT_MTU = 1500
+IPV4_UDP_HEADERS = 28  # what an IPv4 datagram of one MTU spends before its UDP payload
 DATA_LINKS = 4
 NAME_PREFIX = "mrf"
 NFT_TABLE = "metaroce_fabric"
@@ -388,6 +389,10 @@ class Fabric:
         if not 576 <= self.mtu <= 9000:
             raise ValueError(f"mtu={self.mtu}: 576..9000 (1500 or 9000 are the tested ones)")
 
+    def max_udp_payload(self) -> int:
+        """The largest UDP payload one datagram of the fabric's MTU carries unfragmented."""
+        return self.mtu - IPV4_UDP_HEADERS
+
     # subclasses fill these
     def roles(self) -> list[str]:
         raise NotImplementedError
@@ -696,11 +701,15 @@ class MultipathFabric(Fabric):
             raise FabricError(f"ECMP put 2000 source ports on only {sorted(found)}")
         return found
 
-    def capacity(self, seconds: float = 5.0, payload: int = 1472, src: str = "a") -> dict[str, Any]:
+    def capacity(
+        self, seconds: float = 5.0, payload: int | None = None, src: str = "a"
+    ) -> dict[str, Any]:
         """The fabric's measured capacity: one iperf3 UDP flood per data link at once (each
         pinned to its link by its source port, offered 1.3x the tbf rate), the RECEIVED
         payload rate per link and in total (Mbit/s of UDP payload, i.e. what a transport's
-        goodput is compared with), plus the wire rate (payload + UDP/IP/Ethernet headers)."""
+        goodput is compared with), plus the wire rate (payload + UDP/IP/Ethernet headers).
+        Datagrams carry `payload` bytes, by default the most the MTU allows."""
+        payload = payload or self.max_udp_payload()
         dst = "b" if src == "a" else "a"
         base = 5201
         servers: dict[str, subprocess.Popen[str]] = {}
@@ -825,11 +834,13 @@ class IncastFabric(Fabric):
             sh(["ip", "-n", n, "addr", "add", f"{self.addr(role)}/24", "dev", "eth0"])
         sh(["tc", "-n", sw, "qdisc", "add", "dev", "pr", *tbf_args(self.rate_mbit)])
 
-    def capacity(self, seconds: float = 3.0, payload: int = 1472) -> dict[str, Any]:
+    def capacity(self, seconds: float = 3.0, payload: int | None = None) -> dict[str, Any]:
         """The shaped port's measured capacity: one iperf3 UDP flood from every sender at
         once (together offered 1.3x the tbf rate), the RECEIVED payload rate in total
         (Mbit/s of UDP payload: what a transport's goodput is compared with). As many
-        sending processes as an incast run has, so a busy host limits both alike."""
+        sending processes as an incast run has, so a busy host limits both alike.
+        Datagrams carry `payload` bytes, by default the most the MTU allows."""
+        payload = payload or self.max_udp_payload()
         senders = self.roles()[2:]
         offered = int(self.rate_mbit * 1.3 / len(senders)) + 1
         servers: dict[str, subprocess.Popen[str]] = {}
