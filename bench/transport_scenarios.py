@@ -8,8 +8,10 @@
                 0.7, beside the lossless bins' own share: a busy 2-core host makes single
                 10 ms bins dip with no failure at all); whether the link carries data again
                 within 1 s after it recovers. Series: payload bytes first acknowledged (the
-                sender's view), unique payload bytes the receiver placed, and with
-                --wire-bins the receiving links' bytes
+                sender's view), unique payload bytes the receiver placed (by when its
+                endpoint placed them, and by when their datagrams reached the receiving
+                host: the kernel's timestamp, free of the receiver's scheduling), and
+                with --wire-bins the receiving links' bytes
   ce-share      5% of the ECT packets on one link marked CE: that link's share of the bytes
                 (an even share is 1/4) and the total against a lossless run. With the
                 other 3 links full, a share s gives a total of 3 / (4 (1 - s)) of a
@@ -214,10 +216,14 @@ def link_failure(
     # counter read every 0.25 ms): the goodput the receiving application gets, free of
     # the ACKs' way back and of when the sender's thread got to them.
     delivered = series("delivered_bins_mbps") if doc.get("delivered_bins_mbps") else None
+    # The same bytes binned by their datagrams' kernel receive time: when the fabric
+    # delivered them, however late the receiving thread got a core to place them.
+    arrived = series("arrival_bins_mbps") if doc.get("arrival_bins_mbps") else None
     return {
         **acked,
         **on_wire,
         **({"delivered": delivered} if delivered else {}),
+        **({"arrived": arrived} if arrived else {}),
         "by_message_completion": series("bins_mbps"),
         "rule_in_force_within_ms": (in_force - cut) * 1000,
         "link_bytes_in_1s_after_recovery": used_again,
@@ -386,6 +392,7 @@ def multipath_scenarios(
 
 SERIES = (
     ("delivered", "as the receiver placed it (unique payload bytes)"),
+    ("arrived", "the same bytes by kernel arrival time at the receiver (SO_TIMESTAMPNS)"),
     ("on_the_wire", "on the wire (the 3 receiving links' rx bytes, headers and resends in)"),
 )
 

@@ -7,8 +7,9 @@
 //!                        [--iters N] [--window N] [--config K=V,...] [--json]
 //!                        [--bins-ms MS]   (bw: goodput per MS-long bin, in the JSON:
 //!                                         by message completion, by bytes first
-//!                                         acknowledged, and by bytes the server's
-//!                                         endpoint placed)
+//!                                         acknowledged, by bytes the server's
+//!                                         endpoint placed, and those placed bytes
+//!                                         by their datagrams' kernel arrival time)
 //!                        [--busy-poll]   (spin on the endpoint, as ib_write_bw polls
 //!                                         its CQ and MPI ranks spin: the tool's own
 //!                                         thread progresses it; default: block)
@@ -288,6 +289,9 @@ fn server(a: &Args) -> Result<(), String> {
                 let lat = p.get("mode").is_some_and(|m| m == "lat");
                 let bins_ms: u64 = p.get("bins").and_then(|s| s.parse().ok()).unwrap_or(0).min(60_000);
                 let (c0, _) = t.counters().map_err(e)?;
+                if bins_ms > 0 {
+                    t.start_arrival_bins(bins_ms).map_err(e)?;
+                }
                 let rcvd_bins = (bins_ms > 0).then(|| (Instant::now(), CounterBins::new(bins_ms, c0.bytes_rcvd)));
                 let mut s = Session { id: next_id, size, lat, posted: 0, bytes: 0, last_seen: Instant::now(), c0, rcvd_bins };
                 next_id += 1;
@@ -388,13 +392,20 @@ fn end_session(t: &Transport, peer: u64, s: &Session) -> Result<(), String> {
         c1.gaps_seen - c0.gaps_seen,
         (c1.drops_crc + c1.drops_malformed + c1.drops_unknown_conn) - (c0.drops_crc + c0.drops_malformed + c0.drops_unknown_conn)
     );
+    let mut lists: Vec<(&str, Vec<u64>)> = Vec::new();
     if let Some((_, bins)) = &s.rcvd_bins {
-        let list: Vec<String> = bins.bytes().iter().map(u64::to_string).collect();
-        let field = format!(" rcvd_bins={}", list.join(","));
+        lists.push(("rcvd_bins", bins.bytes()));
+        if let Some(arrived) = t.arrival_bins().map_err(|e| format!("{e:?}"))? {
+            lists.push(("arrival_bins", arrived.bins().to_vec()));
+        }
+    }
+    for (name, bins) in lists {
+        let list: Vec<String> = bins.iter().map(u64::to_string).collect();
+        let field = format!(" {name}={}", list.join(","));
         if stats.len() + field.len() <= STATS_LEN {
             stats += &field;
         } else {
-            eprintln!("metaroce-perf server: {} receive bins do not fit the STATS reply: left out", list.len());
+            eprintln!("metaroce-perf server: {} {name} do not fit the STATS reply: left out", list.len());
         }
     }
     ctrl(t, peer, TAG_STATS, &stats)
@@ -518,7 +529,10 @@ fn client(a: &Args) -> Result<bool, String> {
     let spurious: u64 = stats.get("dup").and_then(|s| s.parse().ok()).unwrap_or(0);
     let ce: u64 = stats.get("ce").and_then(|s| s.parse().ok()).unwrap_or(0);
     // The server's bins of placed bytes: empty from an older server or without --bins-ms.
-    let delivered: Vec<u64> = stats.get("rcvd_bins").map(|l| l.split(',').filter_map(|b| b.parse().ok()).collect()).unwrap_or_default();
+    let list = |k: &str| -> Vec<u64> { stats.get(k).map(|l| l.split(',').filter_map(|b| b.parse().ok()).collect()).unwrap_or_default() };
+    let delivered = list("rcvd_bins");
+    // The same bytes by when their datagrams reached the server's host.
+    let arrived = list("arrival_bins");
     lat_us.sort_by(|a, b| a.partial_cmp(b).unwrap());
     if a.json {
         let path_json: Vec<String> = paths
@@ -531,7 +545,7 @@ fn client(a: &Args) -> Result<bool, String> {
             })
             .collect();
         println!(
-            "{{\"mode\":\"{}\",\"size\":{},\"messages\":{msgs},\"bytes\":{bytes},\"seconds\":{secs:.6},\"goodput_gbps\":{gbps:.6},\"goodput_mbit\":{:.3},\"packets_sent\":{sent},\"retransmits\":{retx},\"spurious_retransmits\":{spurious},\"ce_marks\":{ce},\"rtos\":{},\"spurious_rtos\":{},\"tlps\":{},\"late_losses\":{},\"spurious_late_losses\":{},\"acks_rcvd\":{},\"lat_p50_us\":{:.2},\"lat_p99_us\":{:.2},\"tx_dropped_local\":{},\"sock_rcvbuf\":{},\"sock_sndbuf\":{},\"paths\":[{}],\"bins_mbps\":[{}],\"acked_bins_mbps\":[{}],\"delivered_bins_mbps\":[{}],\"start_monotonic_s\":{start_monotonic:.6}}}",
+            "{{\"mode\":\"{}\",\"size\":{},\"messages\":{msgs},\"bytes\":{bytes},\"seconds\":{secs:.6},\"goodput_gbps\":{gbps:.6},\"goodput_mbit\":{:.3},\"packets_sent\":{sent},\"retransmits\":{retx},\"spurious_retransmits\":{spurious},\"ce_marks\":{ce},\"rtos\":{},\"spurious_rtos\":{},\"tlps\":{},\"late_losses\":{},\"spurious_late_losses\":{},\"acks_rcvd\":{},\"lat_p50_us\":{:.2},\"lat_p99_us\":{:.2},\"tx_dropped_local\":{},\"sock_rcvbuf\":{},\"sock_sndbuf\":{},\"paths\":[{}],\"bins_mbps\":[{}],\"acked_bins_mbps\":[{}],\"delivered_bins_mbps\":[{}],\"arrival_bins_mbps\":[{}],\"start_monotonic_s\":{start_monotonic:.6}}}",
             a.mode,
             a.size,
             gbps * 1000.0,
@@ -549,7 +563,8 @@ fn client(a: &Args) -> Result<bool, String> {
             path_json.join(","),
             mbps_of(&bins, a.bins_ms),
             mbps_of(&acked.bytes(), a.bins_ms),
-            mbps_of(&delivered, a.bins_ms)
+            mbps_of(&delivered, a.bins_ms),
+            mbps_of(&arrived, a.bins_ms)
         );
     } else {
         println!("---------------------------------------------------------------------------------------");

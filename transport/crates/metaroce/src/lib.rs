@@ -1,8 +1,10 @@
 //! The MetaRoCE transport over UDP: `metaroce-core` on real sockets with a
 //! progress thread (`transport`), its configuration (`config`), the sockets
-//! (`udp`), the stats file (`stats`) and the C ABI of `include/metaroce.h` (`ffi`).
+//! (`udp`), the stats file (`stats`), goodput binned by kernel arrival time
+//! (`arrival`, for metaroce-perf) and the C ABI of `include/metaroce.h` (`ffi`).
 
 pub mod addr;
+pub mod arrival;
 pub mod config;
 pub mod ffi;
 pub mod stats;

@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use metaroce_core::time::Micros;
 use metaroce_core::{Completion, Counters, Endpoint, Error, PathStats, PeekInfo, PeerId, RecvBuf, SendBuf};
 
+use crate::arrival::{self, ArrivalBins};
 use crate::config::EpConfig;
 use crate::stats::{self, Snapshot, StatsFile};
 use crate::udp::{self, PathSocket, BATCH, MAX_DATAGRAM};
@@ -61,6 +62,8 @@ struct State {
     /// `stats_dir=`: where snapshots go, and when the next is due.
     stats: Option<StatsFile>,
     stats_due: Micros,
+    /// Placed bytes by kernel arrival time, while metaroce-perf asks for them.
+    arrival: Option<ArrivalBins>,
 }
 
 struct Inner {
@@ -145,6 +148,14 @@ fn seed() -> u64 {
 
 impl State {
     fn bind_path(&mut self) -> io::Result<PathSocket> {
+        let s = self.bind_port()?;
+        if self.arrival.is_some() {
+            s.set_rx_timestamps(true)?;
+        }
+        Ok(s)
+    }
+
+    fn bind_port(&mut self) -> io::Result<PathSocket> {
         match self.ports {
             None => PathSocket::bind(self.ip, 0, self.sock_buf),
             Some((lo, hi)) => {
@@ -175,8 +186,16 @@ impl State {
             let mut got_any = false;
             for i in 0..self.socks.len() {
                 for _ in 0..RX_BATCHES {
-                    let ep = &mut self.ep;
-                    match self.socks[i].recv_batch(&mut self.rx, |from, ce, data| ep.handle_datagram(now, from, ce, data)) {
+                    let (ep, arrival) = (&mut self.ep, &mut self.arrival);
+                    let got = self.socks[i].recv_batch(&mut self.rx, |from, ce, arrived, data| match (arrival.as_mut(), arrived) {
+                        (Some(bins), Some(at)) => {
+                            let placed = ep.counters().bytes_rcvd;
+                            ep.handle_datagram(now, from, ce, data);
+                            bins.add(at, ep.counters().bytes_rcvd - placed);
+                        }
+                        _ => ep.handle_datagram(now, from, ce, data),
+                    });
+                    match got {
                         Ok(0) => break,
                         Ok(n) => {
                             got_any = true;
@@ -299,6 +318,7 @@ impl Transport {
             last_error: None,
             stats: None,
             stats_due: 0,
+            arrival: None,
         };
         for _ in 0..core.paths {
             let s = st.bind_path().map_err(|e| format!("binding UDP socket on {ip}: {e}"))?;
@@ -539,6 +559,22 @@ impl Transport {
         let mut io = st.io;
         io.conns_active = st.ep.conns_active() as u64;
         Ok((st.ep.counters(), io))
+    }
+
+    /// Start binning the unique payload bytes placed by when their datagrams
+    /// reached the host (`bin_ms` bins from now; a running binning starts over).
+    pub fn start_arrival_bins(&self, bin_ms: u64) -> Result<(), Error> {
+        let mut st = self.lock()?;
+        for s in &st.socks {
+            s.set_rx_timestamps(true).map_err(|_| Error::Io)?;
+        }
+        st.arrival = Some(ArrivalBins::new(arrival::realtime_ns(), bin_ms));
+        Ok(())
+    }
+
+    /// The bins since `start_arrival_bins` (bytes per bin), if it was called.
+    pub fn arrival_bins(&self) -> Result<Option<ArrivalBins>, Error> {
+        Ok(self.lock()?.arrival.clone())
     }
 
     pub fn path_stats(&self, peer: PeerId) -> Result<Vec<(u16, PathStats)>, Error> {

@@ -132,6 +132,12 @@ impl PathSocket {
         Ok(Self { fd, local, v6, rcvbuf, sndbuf })
     }
 
+    /// Have the kernel stamp each received datagram with its arrival time
+    /// (CLOCK_REALTIME), handed to `recv_batch`'s callback.
+    pub fn set_rx_timestamps(&self, on: bool) -> io::Result<()> {
+        setopt(self.raw(), libc::SOL_SOCKET, libc::SO_TIMESTAMPNS, on as libc::c_int)
+    }
+
     pub fn raw(&self) -> RawFd {
         self.fd.as_raw_fd()
     }
@@ -185,13 +191,19 @@ impl PathSocket {
         Ok(r as usize)
     }
 
-    /// Receive up to BATCH datagrams into `bufs`; calls `f(from, ce, bytes)` for each.
-    pub fn recv_batch(&self, bufs: &mut [[u8; MAX_DATAGRAM]], mut f: impl FnMut(SocketAddr, bool, &[u8])) -> io::Result<usize> {
+    /// Receive up to BATCH datagrams into `bufs`; calls `f(from, ce, arrived_ns, bytes)`
+    /// for each (`arrived_ns`: the kernel's receive time when `set_rx_timestamps` is on).
+    pub fn recv_batch(
+        &self,
+        bufs: &mut [[u8; MAX_DATAGRAM]],
+        mut f: impl FnMut(SocketAddr, bool, Option<u64>, &[u8]),
+    ) -> io::Result<usize> {
         let n = bufs.len().min(BATCH);
         // SAFETY: zeroed C structs, filled below, pointers live for the call.
         let mut addrs: [libc::sockaddr_storage; BATCH] = unsafe { zeroed() };
         let mut iovs: [libc::iovec; BATCH] = unsafe { zeroed() };
-        let mut cmsgs = [[0u64; 8]; BATCH];
+        // Room for IP_TOS (24 bytes) and SCM_TIMESTAMPNS (32).
+        let mut cmsgs = [[0u64; 12]; BATCH];
         let mut hdrs: [libc::mmsghdr; BATCH] = unsafe { zeroed() };
         for i in 0..n {
             iovs[i] = libc::iovec { iov_base: bufs[i].as_mut_ptr() as *mut libc::c_void, iov_len: MAX_DATAGRAM };
@@ -201,7 +213,7 @@ impl PathSocket {
             h.msg_iov = &mut iovs[i];
             h.msg_iovlen = 1;
             h.msg_control = cmsgs[i].as_mut_ptr() as *mut libc::c_void;
-            h.msg_controllen = 64;
+            h.msg_controllen = size_of::<[u64; 12]>();
         }
         // SAFETY: hdrs[..n] initialised; MSG_DONTWAIT on a nonblocking socket.
         let r = unsafe { libc::recvmmsg(self.raw(), hdrs.as_mut_ptr(), n as u32, libc::MSG_DONTWAIT, std::ptr::null_mut()) };
@@ -215,6 +227,7 @@ impl PathSocket {
         for i in 0..r as usize {
             let h = &hdrs[i].msg_hdr;
             let mut tos = 0u8;
+            let mut arrived = None;
             // SAFETY: walking the control buffer the kernel filled.
             unsafe {
                 let mut c = libc::CMSG_FIRSTHDR(h);
@@ -226,12 +239,15 @@ impl PathSocket {
                         } else {
                             std::ptr::read_unaligned(libc::CMSG_DATA(c) as *const libc::c_int) as u8
                         };
+                    } else if l == libc::SOL_SOCKET && t == libc::SCM_TIMESTAMPNS {
+                        let ts = std::ptr::read_unaligned(libc::CMSG_DATA(c) as *const libc::timespec);
+                        arrived = Some(ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64);
                     }
                     c = libc::CMSG_NXTHDR(h, c);
                 }
             }
             if let Some(from) = from_sockaddr(&addrs[i]) {
-                f(from, tos & CE == CE, &bufs[i][..hdrs[i].msg_len as usize]);
+                f(from, tos & CE == CE, arrived, &bufs[i][..hdrs[i].msg_len as usize]);
             }
         }
         Ok(r as usize)

@@ -178,3 +178,29 @@ fn the_stats_file_follows_the_transfer_and_marks_the_close() {
     let e = Transport::open(Some(&cfg)).err().unwrap();
     assert!(e.contains("stats_dir="), "{e}");
 }
+
+#[test]
+fn arrival_bins_hold_every_placed_byte_by_its_kernel_receive_time() {
+    let (a, b, to_b, from_a) = pair();
+    assert!(b.arrival_bins().unwrap().is_none(), "no bins until asked for");
+    b.start_arrival_bins(10).unwrap();
+    let started = Instant::now();
+    let before = b.counters().unwrap().0.bytes_rcvd;
+    let (n, size) = (8u64, 1usize << 20);
+    for i in 0..n {
+        b.recv(from_a, RecvBuf::owned(size), 5, 0, true, i, true).unwrap();
+        a.send(to_b, SendBuf::owned(pattern(i, size)), 5, true, None, i, true).unwrap();
+        // Spread the messages over several bins.
+        std::thread::sleep(Duration::from_millis(15));
+    }
+    let done = wait_for(&b, n as usize, Duration::from_secs(20));
+    assert_eq!(done.iter().filter(|c| c.kind == OpKind::Recv && c.err.is_none()).count(), n as usize);
+    let elapsed_bins = started.elapsed().as_millis() as usize / 10 + 1;
+    let placed = b.counters().unwrap().0.bytes_rcvd - before;
+    let bins = b.arrival_bins().unwrap().unwrap();
+    assert_eq!(bins.bins().iter().sum::<u64>(), placed, "every placed payload byte is in a bin");
+    assert_eq!((bins.early, bins.late), (0, 0));
+    assert!(placed >= n * size as u64);
+    assert!(bins.bins().len() <= elapsed_bins, "{} bins in {elapsed_bins} bins' time", bins.bins().len());
+    assert!(bins.bins().iter().filter(|&&x| x > 0).count() >= 4, "the messages fell in several bins: {:?}", bins.bins());
+}
