@@ -388,6 +388,11 @@ def multipath_scenarios(
             for key, what in SERIES:
                 if key in lf:
                     print(f"  {what}: {recovery_line(lf[key])}", flush=True)
+        report["link_failure_held"] = held_counts([r["link_failure"] for r in report["runs"]])
+        for key, (held, of, lows) in report["link_failure_held"].items():
+            low = ", ".join(f"{x:.3f}" for x in lows)
+            print(f"link down, {key}: held in {held} of {of} runs; failing runs' lowest bins: "
+                  f"{low or 'none'}")  # fmt: skip
 
 
 SERIES = (
@@ -395,6 +400,20 @@ SERIES = (
     ("arrived", "the same bytes by kernel arrival time at the receiver (SO_TIMESTAMPNS)"),
     ("on_the_wire", "on the wire (the 3 receiving links' rx bytes, headers and resends in)"),
 )
+
+
+def held_counts(runs: list[dict[str, Any]]) -> dict[str, tuple[int, int, list[float]]]:
+    """Per series (acknowledged bytes first, then SERIES): in how many runs every bin of
+    the 500 ms after the first 100 ms was at 0.7, of how many runs had that series, and
+    the failing runs' lowest bins, lowest first."""
+    out: dict[str, tuple[int, int, list[float]]] = {}
+    for key in ("acknowledged", *(k for k, _ in SERIES)):
+        series = [r if key == "acknowledged" else r.get(key) for r in runs]
+        have = [f for f in series if f and "held" in f]
+        if have:
+            lows = sorted(float(f["hold_min"]) for f in have if not f["held"])
+            out[key] = (sum(1 for f in have if f["held"]), len(have), lows)
+    return out
 
 
 def recovery_line(f: dict[str, Any]) -> str:

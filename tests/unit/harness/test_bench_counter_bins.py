@@ -51,3 +51,16 @@ def test_recovery_allows_a_dip_in_the_first_100_ms_and_counts_one_after() -> Non
     late[130] = 60.0  # 300 ms after the cut: inside the 500 ms that must hold
     r = recovery(late, 100, 100.0)
     assert not r["held"] and r["hold_bins_below_0.7"] == 1 / 50 and r["back_after_ms"] == 310
+
+
+def test_held_counts_per_series_with_the_failing_runs_lowest_bins() -> None:
+    held_counts = _scenarios().held_counts
+    runs = [
+        {"held": False, "hold_min": 0.62, "arrived": {"held": True, "hold_min": 0.73}},
+        {"held": True, "hold_min": 0.71, "arrived": {"held": False, "hold_min": 0.698}},
+        {"held": False, "hold_min": 0.55},  # a run from before arrival bins existed
+    ]
+    assert held_counts(runs) == {
+        "acknowledged": (1, 3, [0.55, 0.62]),
+        "arrived": (1, 2, [0.698]),
+    }
