@@ -240,6 +240,9 @@ struct Session {
     /// `bytes_rcvd` binned from the READY on (the client starts its clock when the
     /// READY arrives), when the client asked for bins.
     rcvd_bins: Option<(Instant, CounterBins)>,
+    /// Whether the endpoint's arrival-time bins started with this session. They are
+    /// the endpoint's, so a session that began while another was binning gets none.
+    arrival_bins: bool,
 }
 
 /// Receive contexts: the session in the high half, a running count in the low.
@@ -289,11 +292,12 @@ fn server(a: &Args) -> Result<(), String> {
                 let lat = p.get("mode").is_some_and(|m| m == "lat");
                 let bins_ms: u64 = p.get("bins").and_then(|s| s.parse().ok()).unwrap_or(0).min(60_000);
                 let (c0, _) = t.counters().map_err(e)?;
-                if bins_ms > 0 {
+                let arrival_bins = bins_ms > 0 && !sessions.values().any(|s| s.rcvd_bins.is_some());
+                if arrival_bins {
                     t.start_arrival_bins(bins_ms).map_err(e)?;
                 }
                 let rcvd_bins = (bins_ms > 0).then(|| (Instant::now(), CounterBins::new(bins_ms, c0.bytes_rcvd)));
-                let mut s = Session { id: next_id, size, lat, posted: 0, bytes: 0, last_seen: Instant::now(), c0, rcvd_bins };
+                let mut s = Session { id: next_id, size, lat, posted: 0, bytes: 0, last_seen: Instant::now(), c0, rcvd_bins, arrival_bins };
                 next_id += 1;
                 for _ in 0..if lat { 1 } else { window } {
                     t.recv(peer, RecvBuf::owned(size), TAG_DATA, 0, true, ctx(s.id, CTX_DATA0 + s.posted), true).map_err(e)?;
@@ -395,6 +399,8 @@ fn end_session(t: &Transport, peer: u64, s: &Session) -> Result<(), String> {
     let mut lists: Vec<(&str, Vec<u64>)> = Vec::new();
     if let Some((_, bins)) = &s.rcvd_bins {
         lists.push(("rcvd_bins", bins.bytes()));
+    }
+    if s.arrival_bins {
         if let Some(arrived) = t.arrival_bins().map_err(|e| format!("{e:?}"))? {
             lists.push(("arrival_bins", arrived.bins().to_vec()));
         }
