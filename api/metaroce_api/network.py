@@ -742,7 +742,9 @@ class AttachmentSpec(ApiModel):
 
 
 class ProbeSpec(ApiModel):
-    """The RDMA probe each agent runs to a few peers (RC for latency, UD for loss)."""
+    """The probe each agent runs to a few peers: RDMA (RC for latency, UD for loss), or
+    for transport metaroce UDP from the served netdevs (echoed pings for latency, a
+    counted burst for loss)."""
 
     enabled: bool = True
     peers_per_node: Annotated[int, Field(ge=1, le=64)] = 3

@@ -225,17 +225,12 @@ def run_main(argv: list[str]) -> int:
 
 
 def _maybe_probe(agent: object, options: object) -> None:
-    """Attach the RDMA prober when enabled (and importable: it needs pyverbs)."""
+    """Attach the prober when enabled: RDMA (it needs pyverbs), or UDP for metaroce."""
     from metaroce_agent.loop import Agent, AgentOptions
 
     assert isinstance(agent, Agent) and isinstance(options, AgentOptions)
     enabled = agent.config.probe.enabled if options.probe is None else options.probe
     if not enabled or agent.kube is None:
-        return
-    if agent.config.transport.mode == "metaroce":
-        # the RDMA probe needs RDMA devices; probing with the transport itself is not
-        # there yet: no verdict rather than a failing one
-        log.info("RDMA probe off: transport metaroce serves netdevs, not RDMA devices")
         return
     try:
         from metaroce_agent.probe import Prober

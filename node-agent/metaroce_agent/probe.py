@@ -1,4 +1,5 @@
-"""RDMA probe: reachability and latency over RC, loss over UD, to a few peers.
+"""RDMA probe: reachability and latency over RC, loss over UD, to a few peers. A metaroce
+network (netdevs, no RDMA device) runs the same sessions over UDP (`probe_udp`).
 
 Peers find each other through their NodeStates: each agent publishes the address of a
 small TCP side channel (`<ip>:<port>` on the RDMA netdev) in the annotation
@@ -87,6 +88,9 @@ WILSON_Z = 3.09
 """One-sided z for about 1e-3: a peer fails when the Wilson lower bound of its loss is over
 the limit, and recovers only when the upper bound is under it (hysteresis)."""
 PING_TIMEOUT = 1.0
+PING_MISSES = 3
+"""Pings in a row without an echo that end the pings: RC answers every ping or fails,
+but a UDP ping (a metaroce network's probe) may be lost, which is a missing sample."""
 MAX_SESSIONS = 8
 """Probe sessions served at once (each holds a PD, two CQs and two QPs)."""
 SESSION_SECONDS = 30.0
@@ -105,9 +109,12 @@ without it (an agent from before) the client naps 0.2 s before asking, as it use
 @dataclass(frozen=True)
 class Local:
     device: str
+    """The RDMA device; for a metaroce network's UDP probe, the netdev."""
     port: int
     gid_index: int
     tos: int
+    address: str = ""
+    """The netdev's address the UDP probe sends from (metaroce networks only)."""
 
 
 @dataclass(frozen=True)
@@ -417,7 +424,8 @@ class ProbeServer:
         rail = hello.get("rail", 0)
         local = self.local(rail) if isinstance(rail, int) and rail >= 0 else None
         if local is None:
-            _send(conn, {"error": f"no RDMA device ready on this node for rail {rail}"})
+            _send(conn, {"error": f"no RDMA device (or, for metaroce, netdev) ready on this "
+                                  f"node for rail {rail}"})  # fmt: skip
             return True
 
         def signed(role: str, fields: dict[str, Any]) -> dict[str, Any]:
@@ -546,7 +554,8 @@ def probe_peer(
             rtts = _rc_pings(ep)
             if not rtts:
                 _send(conn, {"op": "bye"})
-                return failed("no RC echo within 1 s")
+                return failed(f"no RC echo (UDP for metaroce) to {PING_MISSES} pings in a "
+                              f"row within {PING_TIMEOUT:g} s each")  # fmt: skip
             sent = _ud_burst(ep)
             if COUNT_SENT in (challenge.get("features") or ()):
                 _send(conn, {"op": "count", "sent": sent})  # it waits for them
@@ -597,6 +606,7 @@ def _count_ud(ep: Any, received: int, sent: int | None, deadline: float) -> int:
 def _rc_pings(ep: Any) -> list[float]:
     e = ep.e
     rtts: list[float] = []
+    misses = 0
     for _ in range(RC_PINGS):
         t0 = time.perf_counter()
         ep.rc_send()
@@ -611,7 +621,11 @@ def _rc_pings(ep: Any) -> list[float]:
             if not done:
                 ep.wait(PING_TIMEOUT - (time.perf_counter() - t0))
         if not got:
-            break
+            misses += 1
+            if misses >= PING_MISSES:
+                break
+            continue
+        misses = 0
         rtts.append((time.perf_counter() - t0) * 1e6)
     return rtts
 
@@ -955,9 +969,12 @@ class Prober:
         max_latency_us: float,
         max_loss: float,
         key_file: Path | None = None,
+        endpoint: Callable[[Local], Any] | None = None,
     ) -> None:
         self.kube = kube
         self.key_file = key_file
+        self.endpoint = endpoint
+        """The data plane of a session: verbs (None, `Endpoint`) or `UdpEndpoint`."""
         self.network = network
         self.node = node
         self.address = address
@@ -981,8 +998,13 @@ class Prober:
 
     @classmethod
     def for_agent(cls, agent: Any) -> Prober:
+        """The agent's prober: over RDMA (RC and UD on the served devices), or for a
+        metaroce network over UDP from the served netdevs (`probe_udp`)."""
+        from metaroce_agent.probe_udp import UdpEndpoint
+
         cfg = agent.config
         opts = agent.options
+        udp = cfg.transport.mode == "metaroce"
 
         def local() -> list[Local]:
             """Every served device with a usable GID, in plan order: rail k of this node
@@ -998,6 +1020,18 @@ class Prober:
                 if gid is not None:
                     tos = agent.config.qos.data.dscp << 2
                     out.append(Local(td.rdma_device, td.port, gid.index, tos))
+            return out
+
+        def netdevs() -> list[Local]:
+            """metaroce: every served netdev with an address, in plan order (its rails)."""
+            plan = agent.state.plan
+            out = []
+            for name in plan.netdevs if plan is not None else ():
+                nd = agent.state.inventory.netdev(name)
+                address = probe_address(nd.ipv4, nd.ipv6) if nd else None
+                if address:
+                    tos = agent.config.qos.data.dscp << 2
+                    out.append(Local(name, 0, 0, tos, address=address))
             return out
 
         def address() -> str | None:
@@ -1020,7 +1054,7 @@ class Prober:
             node=opts.node_name,
             address=address,
             port=opts.probe_port,
-            local=local,
+            local=netdevs if udp else local,
             publish=publish,
             report=agent.set_probe,
             metrics=agent.metrics,
@@ -1029,6 +1063,7 @@ class Prober:
             max_latency_us=float(cfg.probe.max_latency_microseconds),
             max_loss=cfg.probe.max_loss_fraction,
             key_file=opts.probe_key_file,
+            endpoint=UdpEndpoint if udp else None,
         )
 
     def key(self) -> tuple[bytes, ...]:
@@ -1069,7 +1104,9 @@ class Prober:
                 self.publish("")
                 return
             try:
-                self.server = ProbeServer(address, self.port, self._rail, key=self.key)
+                self.server = ProbeServer(
+                    address, self.port, self._rail, key=self.key, endpoint=self.endpoint
+                )
             except OSError as e:
                 log.error(
                     "probe server cannot listen on %s:%d: %s; no probes from this node. If "
@@ -1114,7 +1151,7 @@ class Prober:
         for node in choose_peers(self.node, endpoints, self.peers):
             host, port = split_endpoint(endpoints[node])
             t0 = time.monotonic()
-            mine = [probe_peer(node, host, port, loc, key=key, rail=k)
+            mine = [probe_peer(node, host, port, loc, key=key, rail=k, endpoint=self.endpoint)
                     for k, loc in enumerate(rails)]  # fmt: skip
             results.extend(mine)
             self._record(node, mine)

@@ -613,7 +613,8 @@ def _metaroce_network() -> str:
                 },
                 "qos": {"profile": "lossy", "data": {"dscp": MR_DSCP, "priority": 4}},
                 "attachment": {"resourceName": MR_RESOURCE, "podsPerDevice": 4},
-                "health": {"probe": {"enabled": False}},
+                # the UDP probe from eth0 (probe_udp), every 5 s so the test sees rounds
+                "health": {"probe": {"interval": "5s"}},
                 # the ToS check takes the node-level marking away on purpose: no drift
                 # pass may put it back while the capture runs
                 "agent": {"driftInterval": "1h"},
@@ -621,6 +622,31 @@ def _metaroce_network() -> str:
             },
         }
     )
+
+
+def _check_udp_probe(kube: Kube, nodes: list[str], figures: list[str]) -> None:
+    """Each node probes the other over UDP from eth0 (a metaroce network has no RDMA
+    device to probe with): the summary in its NodeState names the peer, reachable."""
+
+    def peers() -> dict[str, dict[str, Any]]:
+        out = {}
+        for s in _mr_states(kube):
+            found = ((s.get("status") or {}).get("probe") or {}).get("peers") or []
+            out[s["spec"]["node"]] = {p["node"]: p for p in found}
+        return out
+
+    def both_reachable() -> bool:
+        seen = peers()
+        return all(
+            (seen.get(me) or {}).get(other, {}).get("reachable") is True
+            for me, other in ((nodes[0], nodes[1]), (nodes[1], nodes[0]))
+        )
+
+    took = _wait("each node's UDP probe reaching the other", both_reachable, 120)
+    seen = peers()
+    for me, other in ((nodes[0], nodes[1]), (nodes[1], nodes[0])):
+        figures.append(f"metaroce UDP probe {me} -> {other}: {seen[me][other].get('message')}")
+    figures.append(f"metaroce UDP probe: both peers reachable {took:.1f} s after the pods")
 
 
 def _mr_states(kube: Kube, network: str = MR_NETWORK) -> list[dict[str, Any]]:
@@ -914,6 +940,7 @@ def test_5_metaroce_network_rolls_out_and_pods_get_the_library(
             ).stdout
 
         _wait("both metaroce pods Ready", lambda: all(pod_ready(get(n)) for n in names), 240, 1)
+        _check_udp_probe(kube, nodes, figures)
         for name in names:
             env = dict(line.split("=", 1) for line in run(name, "env").splitlines() if "=" in line)
             assert env["FI_PROVIDER"] == "metaroce" and env["NCCL_NET_PLUGIN"] == "metaroce", env

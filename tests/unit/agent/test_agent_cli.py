@@ -240,13 +240,14 @@ def test_deleted_network_with_cleanup_is_reverted_and_reported(tmp_path: Path) -
     assert any(s.get("phase") == "Reverting" for s in statuses)
 
 
-def test_the_rdma_probe_is_off_for_metaroce(tmp_path: Path) -> None:
+def test_metaroce_networks_probe_over_udp_from_their_netdevs(tmp_path: Path) -> None:
     from metaroce_agent.cli import _maybe_probe
+    from metaroce_agent.probe_udp import UdpEndpoint
 
     tree, kernel = softroce_node(tmp_path / "root")
     host = FixtureHost(tree.root, runner=kernel)
     kube = FakeKube({"metadata": {"name": "rdma-a"}, "spec": {}})
-    for mode, probed in (("softroce", True), ("metaroce", False)):
+    for mode, endpoint in (("softroce", None), ("metaroce", UdpEndpoint)):
         extra = {"qos": {"profile": "lossy"}} if mode == "metaroce" else {}
         cfg = tmp_path / f"{mode}.yaml"
         cfg.write_text(
@@ -257,7 +258,8 @@ def test_the_rdma_probe_is_off_for_metaroce(tmp_path: Path) -> None:
         opts = AgentOptions(config_path=cfg, node_name="node-1", metrics_port=None)
         agent = Agent(opts, host=host, kube=kube)  # type: ignore[arg-type]
         _maybe_probe(agent, opts)
-        assert (agent.prober is not None) == probed, mode
+        assert agent.prober is not None, mode
+        assert agent.prober.endpoint is endpoint, mode
 
 
 def test_start_up_errors_keep_their_cause(
