@@ -36,6 +36,11 @@ HEADER = struct.Struct("!4sc8sI")  # magic, kind, token, sequence
 SIZE = 64
 """Bytes per datagram, as the verbs probe's messages."""
 ECT0 = 0b10
+RCVBUF = 1 << 20
+"""Receive buffer of the session's socket: a whole burst (each small datagram takes
+about a kilobyte of buffer in the kernel's accounting) must fit while the server's
+thread waits for a core, or the host's drops would read as the fabric's loss."""
+SO_RCVBUFFORCE = 33  # <asm-generic/socket.h>; Python's socket module lacks the name
 BURST_PORTS = 8
 """Source ports a burst is spread over (the transport's paths, 16 by default, are its
 source ports)."""
@@ -64,6 +69,10 @@ class UdpEndpoint:
         self.local = local
         self.family = socket.AF_INET6 if ":" in local.address else socket.AF_INET
         self.sock = self._socket()
+        try:  # past net.core.rmem_max with CAP_NET_ADMIN (the agent has it), else capped
+            self.sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, RCVBUF)
+        except OSError:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RCVBUF)
         self.burst_socks: list[socket.socket] = []
         self.burst_next = 0
         self.sock.setblocking(False)

@@ -4,15 +4,17 @@ between a real server and client on the loopback interface."""
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from metaroce_agent import probe
 from metaroce_agent.probe import Local, ProbeServer, probe_peer
-from metaroce_agent.probe_udp import BURST_PORTS, HEADER, MAGIC, PING, UdpEndpoint
+from metaroce_agent.probe_udp import BURST_PORTS, HEADER, MAGIC, PING, RCVBUF, UdpEndpoint
 
 LOCAL = Local("eth0", 0, 0, 26 << 2, address="127.0.0.1")
 KEY = (b"k" * 32,)
@@ -133,3 +135,13 @@ def test_a_burst_leaves_from_several_source_ports_and_is_counted_whole() -> None
     finally:
         client.close()
         server.close()
+
+
+def test_the_session_socket_holds_a_whole_burst() -> None:
+    ep = UdpEndpoint(LOCAL)
+    try:  # the kernel reports twice what it grants: past rmem_max as root (the agent)
+        granted = ep.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+        rmem_max = int(Path("/proc/sys/net/core/rmem_max").read_text())
+        assert granted >= 2 * (RCVBUF if os.geteuid() == 0 else min(RCVBUF, rmem_max))
+    finally:
+        ep.close()
