@@ -331,15 +331,20 @@ class AgentMetrics:
             "metaroce_agent_knobs_skipped", "Knobs the node cannot set", registry=r
         )
         self.probe_latency = Gauge(
-            "metaroce_probe_latency_microseconds", "RC round-trip latency to a peer",
+            "metaroce_probe_latency_microseconds",
+            "Probe round-trip latency to a peer (RC; UDP pings on metaroce networks)",
             ["peer", "quantile"], registry=r,
         )  # fmt: skip
         self.probe_rtt = Histogram(
-            "metaroce_probe_rtt_microseconds", "RC round trips to peers",
+            "metaroce_probe_rtt_microseconds",
+            "Probe round trips to peers (RC; UDP on metaroce networks)",
             buckets=(10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 50000), registry=r,
         )  # fmt: skip
         self.probe_loss = Gauge(
-            "metaroce_probe_loss_ratio", "UD probe loss to a peer", ["peer"], registry=r
+            "metaroce_probe_loss_ratio",
+            "Probe loss to a peer (UD; a UDP burst on metaroce networks)",
+            ["peer"],
+            registry=r,
         )
         self.probe_rounds = Counter(
             "metaroce_probe_rounds", "Probe rounds by peer and result", ["peer", "result"],
