@@ -554,8 +554,9 @@ def probe_peer(
             rtts = _rc_pings(ep)
             if not rtts:
                 _send(conn, {"op": "bye"})
+                wait = float(getattr(ep, "ping_timeout", PING_TIMEOUT))
                 return failed(f"no RC echo (UDP for metaroce) to {PING_MISSES} pings in a "
-                              f"row within {PING_TIMEOUT:g} s each")  # fmt: skip
+                              f"row within {wait:g} s each")  # fmt: skip
             sent = _ud_burst(ep)
             if COUNT_SENT in (challenge.get("features") or ()):
                 _send(conn, {"op": "count", "sent": sent})  # it waits for them
@@ -607,11 +608,12 @@ def _rc_pings(ep: Any) -> list[float]:
     e = ep.e
     rtts: list[float] = []
     misses = 0
+    timeout = float(getattr(ep, "ping_timeout", PING_TIMEOUT))
     for _ in range(RC_PINGS):
         t0 = time.perf_counter()
         ep.rc_send()
         got = False
-        while time.perf_counter() - t0 < PING_TIMEOUT:
+        while time.perf_counter() - t0 < timeout:
             done = ep.poll(ep.rc_cq)
             if any(s != e.IBV_WC_SUCCESS for _, s in done):
                 return rtts
@@ -619,7 +621,7 @@ def _rc_pings(ep: Any) -> list[float]:
                 got = True
                 break
             if not done:
-                ep.wait(PING_TIMEOUT - (time.perf_counter() - t0))
+                ep.wait(timeout - (time.perf_counter() - t0))
         if not got:
             misses += 1
             if misses >= PING_MISSES:

@@ -62,6 +62,9 @@ class UdpEndpoint:
     e = UdpOpcodes()
     rc_cq = "rc"
     ud_cq = "ud"
+    ping_timeout = 0.25
+    """A ping's echo later than this is a lost sample (RC's 1 s is for a retrying QP;
+    a lost UDP ping would hold the session for the whole second)."""
 
     def __init__(self, local: Any) -> None:
         if not local.address:
