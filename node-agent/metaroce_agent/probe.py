@@ -554,9 +554,8 @@ def probe_peer(
             rtts = _rc_pings(ep)
             if not rtts:
                 _send(conn, {"op": "bye"})
-                wait = float(getattr(ep, "ping_timeout", PING_TIMEOUT))
                 return failed(f"no RC echo (UDP for metaroce) to {PING_MISSES} pings in a "
-                              f"row within {wait:g} s each")  # fmt: skip
+                              f"row within {_ping_timeout(ep):g} s each")  # fmt: skip
             sent = _ud_burst(ep)
             if COUNT_SENT in (challenge.get("features") or ()):
                 _send(conn, {"op": "count", "sent": sent})  # it waits for them
@@ -604,11 +603,16 @@ def _count_ud(ep: Any, received: int, sent: int | None, deadline: float) -> int:
         ep.wait(left)
 
 
+def _ping_timeout(ep: Any) -> float:
+    """How long a ping waits for its echo: the endpoint's own (UDP), else RC's."""
+    return float(getattr(ep, "ping_timeout", PING_TIMEOUT))
+
+
 def _rc_pings(ep: Any) -> list[float]:
     e = ep.e
     rtts: list[float] = []
     misses = 0
-    timeout = float(getattr(ep, "ping_timeout", PING_TIMEOUT))
+    timeout = _ping_timeout(ep)
     for _ in range(RC_PINGS):
         t0 = time.perf_counter()
         ep.rc_send()

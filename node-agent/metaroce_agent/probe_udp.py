@@ -130,11 +130,15 @@ class UdpEndpoint:
     def post_ud_recv(self, n: int) -> None:
         """Nothing to post: the socket buffers what arrives."""
 
-    def _send(self, kind: bytes, seq: int = 0) -> None:
+    def _datagram(self, kind: bytes, seq: int) -> bytes:
         if self.peer is None:
             raise RuntimeError("send before connect")
-        body = HEADER.pack(MAGIC, kind, self.peer_token, seq)
-        self.sock.sendto(body.ljust(SIZE, b"\0"), self.peer)
+        return HEADER.pack(MAGIC, kind, self.peer_token, seq).ljust(SIZE, b"\0")
+
+    def _send(self, kind: bytes, seq: int = 0) -> None:
+        body = self._datagram(kind, seq)  # raises before connect
+        assert self.peer is not None
+        self.sock.sendto(body, self.peer)
 
     def rc_send(self) -> None:
         """Echo the oldest ping not yet answered (the server's side), else ping."""
@@ -146,14 +150,13 @@ class UdpEndpoint:
 
     def ud_send(self) -> None:
         """One datagram of the burst, from the next of BURST_PORTS source ports."""
-        if self.peer is None:
-            raise RuntimeError("send before connect")
+        body = self._datagram(BURST, self.burst_next + 1)
+        assert self.peer is not None
         if not self.burst_socks:
             self.burst_socks = [self._socket() for _ in range(BURST_PORTS)]
         sock = self.burst_socks[self.burst_next % len(self.burst_socks)]
         self.burst_next += 1
-        body = HEADER.pack(MAGIC, BURST, self.peer_token, self.burst_next)
-        sock.sendto(body.ljust(SIZE, b"\0"), self.peer)
+        sock.sendto(body, self.peer)
         self.queues["ud"].append((self.e.IBV_WC_SEND, self.e.IBV_WC_SUCCESS))
 
     def _drain(self) -> None:
