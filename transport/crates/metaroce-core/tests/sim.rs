@@ -150,7 +150,9 @@ fn stalls_longer_than_the_min_rto_teach_an_rto_floor() {
     assert!(a.rtos <= 3 * cfg().paths as u64 * seconds, "{} timeouts in {seconds} s: {a:?}", a.rtos);
     // A timeout resends only its oldest packet and holds the rest until an ACK
     // answers (`Path::on_timeout`): 989 spurious resends here, where handing the
-    // whole window back at each timeout sent 2013 (1.7%).
+    // whole window back at each timeout sent 2013 (1.7%). 1165 since each ACK entry
+    // rides two ACKs (`ACK_REPORTS`): the stalls reorder datagrams by 15 ms across
+    // links, and the sender hears of later packets sooner.
     assert!((b.dup_rcvd as f64) <= 0.01 * a.pkts_sent as f64, "spurious resends {} of {}", b.dup_rcvd, a.pkts_sent);
     // Every copy the receiver saw twice was sent again, tail-loss probes included: the
     // spurious share of the resends is at most 1 (reports once read 963 of 928).
@@ -250,18 +252,25 @@ fn reordering_across_paths_and_duplicates_are_harmless() {
     assert!(a.retransmits <= a.tlps + a.rtos * 8, "{a:?}");
 }
 
+/// The marked link's share over several seeds: one 32 MiB run's share moves by
+/// about 0.01 with the seed (0.10-0.13), so the goal (under half an even share)
+/// is asserted on the mean, and every run must still steer clearly away.
 #[test]
 fn ce_marks_are_echoed_and_steer_traffic_away() {
-    let mut links = four_links(20, 31.25);
-    links[2].ce = 0.05;
-    let mut sim = Sim::two(cfg(), links, 7);
-    transfer(&mut sim, 0, 1, &vec![1 << 20; 32], 20 * SEC);
-    let b = sim.eps[1].counters();
-    assert!(b.ce_rcvd > 0);
-    let bytes: Vec<u64> = sim.links.iter().map(|l| l.bytes[0]).collect();
-    let total: u64 = bytes.iter().sum();
-    println!("bytes per link with CE on link 2: {bytes:?}");
-    assert!((bytes[2] as f64) < 0.5 * total as f64 / 4.0, "marked link share {:.3}", bytes[2] as f64 / total as f64);
+    let mut shares = Vec::new();
+    for seed in [3, 5, 7, 9, 11] {
+        let mut links = four_links(20, 31.25);
+        links[2].ce = 0.05;
+        let mut sim = Sim::two(cfg(), links, seed);
+        transfer(&mut sim, 0, 1, &vec![1 << 20; 32], 20 * SEC);
+        assert!(sim.eps[1].counters().ce_rcvd > 0);
+        let bytes: Vec<u64> = sim.links.iter().map(|l| l.bytes[0]).collect();
+        println!("seed {seed}: bytes per link with CE on link 2: {bytes:?}");
+        shares.push(bytes[2] as f64 / bytes.iter().sum::<u64>() as f64);
+    }
+    let mean = shares.iter().sum::<f64>() / shares.len() as f64;
+    assert!(mean < 0.5 / 4.0, "marked link share {mean:.3} on average: {shares:.3?}");
+    assert!(shares.iter().all(|s| *s < 0.6 / 4.0), "marked link shares {shares:.3?}");
 }
 
 #[test]
@@ -535,6 +544,42 @@ fn link_failure_recovery_in_10ms_bins() {
         }
     }
     assert!(sim.links[3].delivered[0] > before + 100, "the recovered link was not used again within 1 s");
+}
+
+/// ACKs leave by the receiver's own source ports, hashed onto links whose
+/// failure it cannot see (it sends no data to learn from). With one link dark
+/// in the return direction only, a change sent in one ACK left the sender's
+/// path full until a probe or timeout resent a packet that had arrived: every
+/// change rides two ACKs, so the sender resends no more than on a clean fabric.
+#[test]
+fn acks_lost_on_a_dark_return_link_cost_no_resends() {
+    let mut links = four_links(30, 31.25);
+    for l in &mut links {
+        l.queue_limit = 128 << 10; // the host fabric's tbf
+    }
+    let mut sim = Sim::two(Config { paths: 16, mtu: 9000, ..cfg() }, links, 16);
+    let dst = sim.eps[0].peer(sim.addrs[1]);
+    let src = sim.eps[1].peer(sim.addrs[0]);
+    for i in 0..200u64 {
+        sim.eps[1].recv(src, RecvBuf::owned(1 << 20), i, 0, true, i, true).unwrap();
+        sim.eps[0].send(sim.now, dst, SendBuf::owned(vec![7; 1 << 20]), i, true, None, i, true).unwrap();
+    }
+    let span = |sim: &mut Sim| {
+        let c0 = sim.eps[1].counters();
+        sim.run_until(400 * MS, |s| {
+            while s.eps[1].poll_completion().is_some() {}
+            false
+        });
+        let c1 = sim.eps[1].counters();
+        (c1.bytes_rcvd - c0.bytes_rcvd, c1.dup_rcvd - c0.dup_rcvd)
+    };
+    span(&mut sim); // slow start
+    let (clean_bytes, clean_dups) = span(&mut sim);
+    sim.links[1].down_from = Some(1);
+    let (bytes, dups) = span(&mut sim);
+    println!("clean: {clean_bytes} bytes, {clean_dups} duplicates; return link dark: {bytes} bytes, {dups} duplicates");
+    assert!(dups <= clean_dups + 10, "{dups} duplicates against {clean_dups}: {:?}", sim.eps[0].counters());
+    assert!(bytes as f64 >= 0.97 * clean_bytes as f64, "{bytes} against {clean_bytes} bytes");
 }
 
 /// Median and 90th percentile of `n` ping-pong round trips of `size` bytes.

@@ -43,6 +43,8 @@ pub struct Link {
     pub ce: f64,
     pub dup: f64,
     pub down: bool,
+    /// Down for what endpoint k sends only (a one-way failure: the other way works).
+    pub down_from: Option<usize>,
     // State per direction (index by sender).
     free_at: [Micros; 2],
     bad: [bool; 2],
@@ -64,6 +66,7 @@ impl Link {
             ce: 0.0,
             dup: 0.0,
             down: false,
+            down_from: None,
             free_at: [0; 2],
             bad: [false; 2],
             delivered: [0; 2],
@@ -183,7 +186,7 @@ impl Sim {
         };
         let ce_roll = self.rng.chance(ce_p);
         let dup_roll = self.rng.chance(dup_p);
-        if self.links[li].down {
+        if self.links[li].down || self.links[li].down_from == Some(from_ep) {
             self.links[li].dropped[dir] += 1;
             return;
         }
