@@ -154,6 +154,17 @@ def counter_bins(samples: list[list[float]], start: float, bin_ms: int) -> list[
     return [b * 8 / bin_ms / 1000 for b in out]
 
 
+# The sender's loss-recovery counters kept beside each link-failure run: a copy the
+# receiver already had (spurious) is wire that carried no goodput.
+LOSS_COUNTERS = (
+    "spurious_retransmits",
+    "spurious_rtos",
+    "tlps",
+    "late_losses",
+    "spurious_late_losses",
+)
+
+
 def link_failure(
     fab: fabric.MultipathFabric, perf_bin: str, capacity: float, wire: bool = False
 ) -> dict[str, Any]:
@@ -211,7 +222,11 @@ def link_failure(
         wire_bins = counter_bins(links(every), start, BIN_MS)[:100]
         left = [i for i in every if i != DARK_LINK]
         wire_bins += counter_bins(links(left), start, BIN_MS)[100:]
-        on_wire = {"on_the_wire": bin_figures(wire_bins, capacity)}
+        on_wire = {
+            "on_the_wire": bin_figures(wire_bins, capacity),
+            # Each link's own bins (Mbit/s): which link a dip was on.
+            "per_link_wire_mbit": [counter_bins(links([i]), start, BIN_MS) for i in every],
+        }
     # The receiver's series: unique payload bytes its endpoint placed (its bytes_rcvd
     # counter read every 0.25 ms): the goodput the receiving application gets, free of
     # the ACKs' way back and of when the sender's thread got to them.
@@ -230,6 +245,8 @@ def link_failure(
         "goodput_mbit": doc["goodput_gbps"] * 1000,
         "rtos": doc["rtos"],
         "retransmits": doc["retransmits"],
+        **{k: doc.get(k) for k in LOSS_COUNTERS},
+        "paths": doc.get("paths"),
     }
 
 
@@ -384,7 +401,9 @@ def multipath_scenarios(
                 flush=True,
             )
             print(f"  the link in both directions dark {lf['rule_in_force_within_ms']:.0f} ms "
-                  f"after the cut (the first nft call's start, bin 0 of every series)")  # fmt: skip
+                  f"after the cut (the first nft call's start, bin 0 of every series); "
+                  f"{lf['retransmits']} resends, {lf['spurious_retransmits']} of them "
+                  f"spurious, {lf['tlps']} TLPs, {lf['rtos']} RTOs")  # fmt: skip
             for key, what in SERIES:
                 if key in lf:
                     print(f"  {what}: {recovery_line(lf[key])}", flush=True)
