@@ -45,13 +45,15 @@ for _ in range(n):
 print(json.dumps(out))
 """
 
+# The agent's package and its API, for the probe's server and client processes.
+AGENT_ENV = {**os.environ, "PYTHONPATH": f"{ROOT / 'node-agent'}:{ROOT / 'api'}"}
+
 
 @pytest.fixture
 def served(clean: fabric.MultipathFabric) -> Iterator[fabric.MultipathFabric]:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'node-agent'}:{ROOT / 'api'}"}
     argv = [sys.executable, "-c", SERVER, clean.data_addr("a")]
     srv = subprocess.Popen(clean.exec_argv("a", argv), stdout=subprocess.PIPE, text=True,
-                           env=env)  # fmt: skip
+                           env=AGENT_ENV)  # fmt: skip
     try:
         assert srv.stdout is not None and srv.stdout.readline().startswith("ready")
         yield clean
@@ -61,10 +63,9 @@ def served(clean: fabric.MultipathFabric) -> Iterator[fabric.MultipathFabric]:
 
 
 def _sessions(fab: fabric.MultipathFabric, n: int) -> list[dict[str, Any]]:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'node-agent'}:{ROOT / 'api'}"}
     argv = [sys.executable, "-c", CLIENT, fab.data_addr("b"), fab.data_addr("a"), str(n)]
-    p = subprocess.run(fab.exec_argv("b", argv), capture_output=True, text=True, env=env,
-                       timeout=300)  # fmt: skip
+    p = subprocess.run(fab.exec_argv("b", argv), capture_output=True, text=True,
+                       env=AGENT_ENV, timeout=300)  # fmt: skip
     assert p.returncode == 0, p.stderr[-2000:]
     return list(json.loads(p.stdout.splitlines()[-1]))
 

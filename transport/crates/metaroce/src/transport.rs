@@ -189,9 +189,9 @@ impl State {
                     let (ep, arrival) = (&mut self.ep, &mut self.arrival);
                     let got = self.socks[i].recv_batch(&mut self.rx, |from, ce, arrived, data| match (arrival.as_mut(), arrived) {
                         (Some(bins), Some(at)) => {
-                            let placed = ep.counters().bytes_rcvd;
+                            let placed = ep.bytes_rcvd();
                             ep.handle_datagram(now, from, ce, data);
-                            bins.add(at, ep.counters().bytes_rcvd - placed);
+                            bins.add(at, ep.bytes_rcvd() - placed);
                         }
                         _ => ep.handle_datagram(now, from, ce, data),
                     });
@@ -235,7 +235,7 @@ impl State {
         let mut io = self.io;
         io.conns_active = self.ep.conns_active() as u64;
         let peers = self.ep.conn_path_stats(stats::MAX_PEERS);
-        let unix_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis());
+        let unix_ms = u128::from(arrival::realtime_ns() / 1_000_000);
         let json = stats::render(&Snapshot {
             pid: std::process::id(),
             local,
