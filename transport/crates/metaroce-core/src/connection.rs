@@ -1032,11 +1032,21 @@ impl Connection {
             self.ack_deadline = Micros::MAX;
         }
         let ack = Ack { rate_hint_mbps, credit: self.eager_consumed + self.params.credit_window as u64, entries };
-        let path = (self.ack_rr % self.paths.len()) as u8;
-        self.ack_rr += 1;
+        let path = self.ack_path() as u8;
         let h = Header { ptype: PacketType::Ack, flags: 0, path, epoch: self.paths[path as usize].epoch, dst_token: self.peer_token };
         out.counters.acks_sent += 1;
         (wire::write_ack(buf, &h, &ack), path, false)
+    }
+
+    /// The next path in the ACKs' round robin, past paths this endpoint's own data
+    /// found dead: an ACK leaves by the same source port, so it would die on the same
+    /// link (where this side sends no data it cannot know, and two ACKs per change
+    /// cover it). With every path failed, the round robin as it stands.
+    fn ack_path(&mut self) -> usize {
+        let n = self.paths.len();
+        let path = (0..n).map(|k| (self.ack_rr + k) % n).find(|&i| self.paths[i].state != PathState::Failed).unwrap_or(self.ack_rr % n);
+        self.ack_rr = path + 1;
+        path
     }
 
     /// Whether the receiver's rate hint leaves room for a datagram of `bytes`

@@ -582,6 +582,46 @@ fn acks_lost_on_a_dark_return_link_cost_no_resends() {
     assert!(bytes as f64 >= 0.97 * clean_bytes as f64, "{bytes} against {clean_bytes} bytes");
 }
 
+/// Where both sides send, each finds the dead link's paths by its own data: its
+/// ACKs then skip those paths (they leave by the same source ports), and what
+/// still enters the dark link is the failed paths' probes.
+#[test]
+fn acks_skip_paths_their_own_side_found_dead() {
+    let mut links = four_links(30, 31.25);
+    for l in &mut links {
+        l.queue_limit = 128 << 10;
+    }
+    let mut sim = Sim::two(Config { paths: 16, mtu: 9000, ..cfg() }, links, 17);
+    for (from, to) in [(0, 1), (1, 0)] {
+        let dst = sim.eps[from].peer(sim.addrs[to]);
+        let src = sim.eps[to].peer(sim.addrs[from]);
+        for i in 0..100u64 {
+            sim.eps[to].recv(src, RecvBuf::owned(1 << 20), i, 0, true, i, true).unwrap();
+            sim.eps[from].send(sim.now, dst, SendBuf::owned(vec![7; 1 << 20]), i, true, None, i, true).unwrap();
+        }
+    }
+    let run = |sim: &mut Sim, t: Micros| {
+        sim.run_until(t, |s| {
+            for e in &mut s.eps {
+                while e.poll_completion().is_some() {}
+            }
+            false
+        })
+    };
+    run(&mut sim, 300 * MS);
+    sim.links[1].down = true;
+    run(&mut sim, 300 * MS); // the dead link's paths fail on both sides
+    let before = sim.links[1].dropped;
+    run(&mut sim, 600 * MS);
+    let dropped = [sim.links[1].dropped[0] - before[0], sim.links[1].dropped[1] - before[1]];
+    let failures = [sim.eps[0].counters().path_failures, sim.eps[1].counters().path_failures];
+    println!("paths failed {failures:?}; datagrams into the dark link in 600 ms, each way: {dropped:?}");
+    assert!(failures.iter().all(|f| *f > 0), "{failures:?}");
+    // Probes: at most a ping per failed path every 50 ms. Sending ACKs round the
+    // dead paths too put 324 datagrams a way into the dark link here.
+    assert!(dropped.iter().all(|d| *d <= 60), "{dropped:?}");
+}
+
 /// Median and 90th percentile of `n` ping-pong round trips of `size` bytes.
 fn pingpong_times(sim: &mut Sim, size: usize, n: usize) -> (Micros, Micros) {
     let ab = sim.eps[0].peer(sim.addrs[1]);
