@@ -165,6 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default="", help="metaroce-perf --config K=V,... (both ends)")
     p.add_argument("--rxe-flags", default=BENCH_RXE_FLAGS, help="ib_write_bw's flags")
     p.add_argument("--json", type=Path, help="write the results here as JSON")
+    p.add_argument(
+        "--perf-dir",
+        type=Path,
+        help="a folder holding the metaroce-perf to run (default: the release build, "
+        "built first): for comparing two builds",
+    )
     args = p.parse_args(argv)
     if args.runs < 1 or args.seconds < 1:
         p.error(f"--runs {args.runs} / --seconds {args.seconds}: both must be at least 1")
@@ -180,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         "levels": [],
     }
     print(f"load average at start: {results['load_average_start']}", flush=True)
-    perf = stage_perf()
+    perf = stage_perf(args.perf_dir)
     t0 = time.monotonic()
     with GuestCluster(count=2, memory_mb=1024) as guests:
         client, server = guests[0], guests[1]
