@@ -130,15 +130,14 @@ class UdpEndpoint:
     def post_ud_recv(self, n: int) -> None:
         """Nothing to post: the socket buffers what arrives."""
 
-    def _datagram(self, kind: bytes, seq: int) -> bytes:
+    def _datagram(self, kind: bytes, seq: int) -> tuple[bytes, tuple[str, int]]:
+        """A session datagram and where it goes (RuntimeError before connect)."""
         if self.peer is None:
             raise RuntimeError("send before connect")
-        return HEADER.pack(MAGIC, kind, self.peer_token, seq).ljust(SIZE, b"\0")
+        return HEADER.pack(MAGIC, kind, self.peer_token, seq).ljust(SIZE, b"\0"), self.peer
 
     def _send(self, kind: bytes, seq: int = 0) -> None:
-        body = self._datagram(kind, seq)  # raises before connect
-        assert self.peer is not None
-        self.sock.sendto(body, self.peer)
+        self.sock.sendto(*self._datagram(kind, seq))
 
     def rc_send(self) -> None:
         """Echo the oldest ping not yet answered (the server's side), else ping."""
@@ -150,13 +149,12 @@ class UdpEndpoint:
 
     def ud_send(self) -> None:
         """One datagram of the burst, from the next of BURST_PORTS source ports."""
-        body = self._datagram(BURST, self.burst_next + 1)
-        assert self.peer is not None
+        datagram = self._datagram(BURST, self.burst_next + 1)
         if not self.burst_socks:
             self.burst_socks = [self._socket() for _ in range(BURST_PORTS)]
         sock = self.burst_socks[self.burst_next % len(self.burst_socks)]
         self.burst_next += 1
-        sock.sendto(body, self.peer)
+        sock.sendto(*datagram)
         self.queues["ud"].append((self.e.IBV_WC_SEND, self.e.IBV_WC_SUCCESS))
 
     def _drain(self) -> None:
