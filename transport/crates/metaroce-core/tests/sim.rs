@@ -503,13 +503,7 @@ fn garbage_and_altered_replays_are_counted_drops() {
 #[test]
 fn link_failure_recovery_in_10ms_bins() {
     let mut sim = Sim::two(Config { rotate_after: 10 * SEC, ..cfg() }, four_links(20, 31.25), 15);
-    let dst = sim.eps[0].peer(sim.addrs[1]);
-    let src = sim.eps[1].peer(sim.addrs[0]);
-    let n = 400u64;
-    for i in 0..n {
-        sim.eps[1].recv(src, RecvBuf::owned(1 << 20), i, 0, true, i, true).unwrap();
-        sim.eps[0].send(sim.now, dst, SendBuf::owned(vec![7; 1 << 20]), i, true, None, i, true).unwrap();
-    }
+    post_mib_messages(&mut sim, 0, 1, 400);
     let bin = 10 * MS;
     let mut bins = Vec::new();
     let mut last = 0;
@@ -546,6 +540,26 @@ fn link_failure_recovery_in_10ms_bins() {
     assert!(sim.links[3].delivered[0] > before + 100, "the recovered link was not used again within 1 s");
 }
 
+/// The host fabric's shape at MTU 9000: 4 links of 250 Mbit/s with tbf's 128 KiB
+/// queue, 16 paths.
+fn host_fabric_sim(seed: u64) -> Sim {
+    let mut links = four_links(30, 31.25);
+    for l in &mut links {
+        l.queue_limit = 128 << 10;
+    }
+    Sim::two(Config { paths: 16, mtu: 9000, ..cfg() }, links, seed)
+}
+
+/// `n` 1 MiB messages from endpoint `from` to `to`, each receive posted before its send.
+fn post_mib_messages(sim: &mut Sim, from: usize, to: usize, n: u64) {
+    let dst = sim.eps[from].peer(sim.addrs[to]);
+    let src = sim.eps[to].peer(sim.addrs[from]);
+    for i in 0..n {
+        sim.eps[to].recv(src, RecvBuf::owned(1 << 20), i, 0, true, i, true).unwrap();
+        sim.eps[from].send(sim.now, dst, SendBuf::owned(vec![7; 1 << 20]), i, true, None, i, true).unwrap();
+    }
+}
+
 /// ACKs leave by the receiver's own source ports, hashed onto links whose
 /// failure it cannot see (it sends no data to learn from). With one link dark
 /// in the return direction only, a change sent in one ACK left the sender's
@@ -553,17 +567,8 @@ fn link_failure_recovery_in_10ms_bins() {
 /// change rides two ACKs, so the sender resends no more than on a clean fabric.
 #[test]
 fn acks_lost_on_a_dark_return_link_cost_no_resends() {
-    let mut links = four_links(30, 31.25);
-    for l in &mut links {
-        l.queue_limit = 128 << 10; // the host fabric's tbf
-    }
-    let mut sim = Sim::two(Config { paths: 16, mtu: 9000, ..cfg() }, links, 16);
-    let dst = sim.eps[0].peer(sim.addrs[1]);
-    let src = sim.eps[1].peer(sim.addrs[0]);
-    for i in 0..200u64 {
-        sim.eps[1].recv(src, RecvBuf::owned(1 << 20), i, 0, true, i, true).unwrap();
-        sim.eps[0].send(sim.now, dst, SendBuf::owned(vec![7; 1 << 20]), i, true, None, i, true).unwrap();
-    }
+    let mut sim = host_fabric_sim(16);
+    post_mib_messages(&mut sim, 0, 1, 200);
     let span = |sim: &mut Sim| {
         let c0 = sim.eps[1].counters();
         sim.run_until(400 * MS, |s| {
@@ -587,19 +592,9 @@ fn acks_lost_on_a_dark_return_link_cost_no_resends() {
 /// still enters the dark link is the failed paths' probes.
 #[test]
 fn acks_skip_paths_their_own_side_found_dead() {
-    let mut links = four_links(30, 31.25);
-    for l in &mut links {
-        l.queue_limit = 128 << 10;
-    }
-    let mut sim = Sim::two(Config { paths: 16, mtu: 9000, ..cfg() }, links, 17);
-    for (from, to) in [(0, 1), (1, 0)] {
-        let dst = sim.eps[from].peer(sim.addrs[to]);
-        let src = sim.eps[to].peer(sim.addrs[from]);
-        for i in 0..100u64 {
-            sim.eps[to].recv(src, RecvBuf::owned(1 << 20), i, 0, true, i, true).unwrap();
-            sim.eps[from].send(sim.now, dst, SendBuf::owned(vec![7; 1 << 20]), i, true, None, i, true).unwrap();
-        }
-    }
+    let mut sim = host_fabric_sim(17);
+    post_mib_messages(&mut sim, 0, 1, 100);
+    post_mib_messages(&mut sim, 1, 0, 100);
     let run = |sim: &mut Sim, t: Micros| {
         sim.run_until(t, |s| {
             for e in &mut s.eps {
