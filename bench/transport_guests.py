@@ -8,10 +8,13 @@ eth0 with the same impairment, as netem on both guests' eth0 (data and ACK direc
 - rxe: ``ib_write_bw`` RC writes over rdma_rxe (go-back-N), flags in
   ``metaroce_harness.guest_transport.BENCH_RXE_FLAGS`` (a 0.54 s ACK timeout).
 
-Each loss level (lossless first, then each ``--loss``) gets ``--runs`` runs per arm,
-arms interleaved; the table gives medians, every run's figure, and each arm's ratio to
-its own lossless median (the issue's figure: metaroce >= 0.85 at 1%). The lossless arm
-has the same netem delay, so the ratio isolates the loss. With ``--red`` a last section
+``--runs`` rounds; each round runs every level (lossless first, then each ``--loss``)
+once per arm, arms interleaved, so a drift in the emulated guests' speed lands on every
+level alike (run as blocks, lossless then 1%, one build gave 0.51 and 0.95 in two
+sessions). The table gives medians, every run's figure, each arm's ratio to its own
+lossless median (the issue's figure: metaroce >= 0.85 at 1%), and the paired ratio: the
+median over rounds of each round's run over the same round's lossless run. The lossless
+arm has the same netem delay, so the ratio isolates the loss. With ``--red`` a last section
 shapes node-1's egress with htb + RED ``ecn`` and reports metaroce's CE marks, RED's
 marks and the goodput against the shaped rate. TCG guests are 10-20x slower than
 hardware: absolute figures are of emulated guests; ratios are what count.
@@ -45,6 +48,19 @@ from metaroce_harness.guest_transport import (
 )
 from metaroce_harness.guests import Guest, GuestCluster
 
+PERF_FIELDS = (
+    "goodput_gbps",
+    "bytes",
+    "seconds",
+    "packets_sent",
+    "retransmits",
+    "spurious_retransmits",
+    "ce_marks",
+    "rtos",
+    "sock_rcvbuf",
+)
+"""metaroce-perf's report fields each run keeps."""
+
 
 def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
@@ -54,71 +70,80 @@ def _fmt(x: float | None, spec: str = ".3f") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def measure_level(
+def new_level(loss: float, delay_ms: float) -> dict[str, Any]:
+    """One loss level's record; ``measure_run`` appends each round's runs to it."""
+    return {
+        "loss_percent": loss,
+        "delay_ms": delay_ms,
+        "arms": {
+            "metaroce": {"gbps": [], "runs": [], "failures": []},
+            "rxe": {"gbps": [], "failures": []},
+        },
+        "load_average": [],
+    }
+
+
+def measure_run(
     client: Guest,
     server: Guest,
     perf: Path,
-    loss: float,
-    delay_ms: float,
-    runs: int,
+    level: dict[str, Any],
+    round_no: int,
     seconds: int,
     config: str = "",
     rxe_flags: str = BENCH_RXE_FLAGS,
-) -> dict[str, Any]:
-    """``runs`` runs of each arm (interleaved) at one netem loss level."""
+) -> None:
+    """One run of each arm at ``level``'s netem loss, appended to ``level``; a failed
+    metaroce run appends None (rounds stay aligned for the paired ratio)."""
+    loss, arms = level["loss_percent"], level["arms"]
     for g in (client, server):
-        set_netem(g, loss, delay_ms)
-    level: dict[str, Any] = {"loss_percent": loss, "delay_ms": delay_ms}
-    arms: dict[str, dict[str, Any]] = {
-        "metaroce": {"gbps": [], "runs": [], "failures": []},
-        "rxe": {"gbps": [], "failures": []},
-    }
-    for i in range(runs):
-        try:
-            r = metaroce_perf(client, server, perf, seconds, config=config)
-            arms["metaroce"]["gbps"].append(r.gbps)
-            rep = r.report
-            arms["metaroce"]["runs"].append(
-                {
-                    k: rep[k]
-                    for k in (
-                        "goodput_gbps",
-                        "bytes",
-                        "seconds",
-                        "packets_sent",
-                        "retransmits",
-                        "spurious_retransmits",
-                        "ce_marks",
-                        "rtos",
-                        "sock_rcvbuf",
-                    )
-                }
-            )
-            print(
-                f"  loss {loss}% run {i + 1}: metaroce {r.gbps:.3f} Gb/s "
-                f"(retx {rep['retransmits']}, spurious {rep['spurious_retransmits']}, "
-                f"rtos {rep['rtos']}, pkts {rep['packets_sent']})",
-                flush=True,
-            )
-        except AssertionError as e:
-            arms["metaroce"]["failures"].append(str(e)[-1500:])
-            print(f"  loss {loss}% run {i + 1}: metaroce FAILED: {str(e)[-400:]}", flush=True)
-        try:
-            bw = ib_write_bw(client, server, seconds, attempts=1, flags=rxe_flags)
-            arms["rxe"]["gbps"].append(bw)
-            print(f"  loss {loss}% run {i + 1}: rxe      {bw:.3f} Gb/s", flush=True)
-        except AssertionError as e:
-            arms["rxe"]["failures"].append(str(e)[-1500:])
-            arms["rxe"]["gbps"].append(0.0)  # RC gave up (retry exceeded): no goodput
-            print(
-                f"  loss {loss}% run {i + 1}: rxe      FAILED (counted 0): {str(e)[-300:]}",
-                flush=True,
-            )
-    for arm in arms.values():
-        arm["median_gbps"] = _median(arm["gbps"])
-    level["arms"] = arms
-    level["load_average"] = load_average()
-    return level
+        set_netem(g, loss, level["delay_ms"])
+    tag = f"  round {round_no} loss {loss}%"
+    try:
+        r = metaroce_perf(client, server, perf, seconds, config=config)
+        arms["metaroce"]["gbps"].append(r.gbps)
+        rep = r.report
+        arms["metaroce"]["runs"].append({k: rep[k] for k in PERF_FIELDS})
+        print(
+            f"{tag}: metaroce {r.gbps:.3f} Gb/s (retx {rep['retransmits']}, "
+            f"spurious {rep['spurious_retransmits']}, rtos {rep['rtos']}, "
+            f"pkts {rep['packets_sent']})",
+            flush=True,
+        )
+    except AssertionError as e:
+        arms["metaroce"]["gbps"].append(None)
+        arms["metaroce"]["failures"].append(str(e)[-1500:])
+        print(f"{tag}: metaroce FAILED: {str(e)[-400:]}", flush=True)
+    try:
+        bw = ib_write_bw(client, server, seconds, attempts=1, flags=rxe_flags)
+        arms["rxe"]["gbps"].append(bw)
+        print(f"{tag}: rxe      {bw:.3f} Gb/s", flush=True)
+    except AssertionError as e:
+        arms["rxe"]["failures"].append(str(e)[-1500:])
+        arms["rxe"]["gbps"].append(0.0)  # RC gave up (retry exceeded): no goodput
+        print(f"{tag}: rxe      FAILED (counted 0): {str(e)[-300:]}", flush=True)
+    level["load_average"].append(load_average())
+
+
+def summarize(levels: list[dict[str, Any]]) -> None:
+    """Each arm's median, ratio to its lossless median, and paired ratio, into ``levels``."""
+    base_runs = {arm: levels[0]["arms"][arm]["gbps"] for arm in ("metaroce", "rxe")}
+    for level in levels:
+        for arm in level["arms"].values():
+            arm["median_gbps"] = _median([x for x in arm["gbps"] if x is not None])
+    for level in levels:
+        for name, arm in level["arms"].items():
+            base = levels[0]["arms"][name]["median_gbps"]
+            med = arm["median_gbps"]
+            arm["ratio_to_lossless"] = med / base if med is not None and base else None
+            arm["paired_ratios"] = paired_ratios(arm["gbps"], base_runs[name])
+            arm["paired_ratio"] = _median(arm["paired_ratios"])
+
+
+def paired_ratios(runs: list[float | None], lossless: list[float | None]) -> list[float]:
+    """Each round's run over the same round's lossless run (rounds where either failed,
+    or the lossless run moved nothing, are left out)."""
+    return [x / b for x, b in zip(runs, lossless, strict=False) if x is not None and b]
 
 
 def measure_red(
@@ -151,7 +176,7 @@ def measure_red(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--runs", type=int, default=3, help="runs per arm and loss level")
+    p.add_argument("--runs", type=int, default=3, help="rounds; each runs every level once per arm")
     p.add_argument("--seconds", type=int, default=10, help="seconds per run")
     p.add_argument("--loss", type=float, action="append", help="netem loss %% (default 1 and 3)")
     p.add_argument("--delay-ms", type=float, default=1.0, help="netem delay on each guest")
@@ -193,21 +218,13 @@ def main(argv: list[str] | None = None) -> int:
         for g in guests:
             tune_socket_buffers(g)
             ensure_rxe(g)
-        for loss in [0.0, *losses]:
-            print(f"loss {loss}% (netem delay {args.delay_ms} ms on both guests):", flush=True)
-            results["levels"].append(
-                measure_level(
-                    client,
-                    server,
-                    perf,
-                    loss,
-                    args.delay_ms,
-                    args.runs,
-                    args.seconds,
-                    args.config,
-                    args.rxe_flags,
+        results["levels"] = [new_level(x, args.delay_ms) for x in (0.0, *losses)]
+        for i in range(1, args.runs + 1):
+            for level in results["levels"]:
+                measure_run(
+                    client, server, perf, level, i, args.seconds, args.config, args.rxe_flags
                 )
-            )
+        summarize(results["levels"])
         if args.red:
             base = results["levels"][0]["arms"]["metaroce"]["median_gbps"] or 0.2
             rate = args.red_rate_mbit or max(20, int(base * 1000 / 2))
@@ -223,22 +240,28 @@ def main(argv: list[str] | None = None) -> int:
     results["wall_seconds"] = round(time.monotonic() - t0, 1)
     results["load_average_end"] = load_average()
 
-    lossless = {
-        arm: results["levels"][0]["arms"][arm]["median_gbps"] for arm in ("metaroce", "rxe")
-    }
-    print("\nresults (medians; Gb/s; ratio = goodput / the same arm's lossless median)")
-    print(f"  {'netem loss':>10}  {'metaroce':>9} {'ratio':>6}  {'rxe':>9} {'ratio':>6}  runs")
+    print(
+        "\nresults (medians; Gb/s; ratio = goodput / the same arm's lossless median; "
+        "paired = median over rounds of the run / the same round's lossless run)"
+    )
+    print(
+        f"  {'netem loss':>10}  {'metaroce':>9} {'ratio':>6} {'paired':>6}  "
+        f"{'rxe':>9} {'ratio':>6} {'paired':>6}  runs"
+    )
     for level in results["levels"]:
         row = [f"  {level['loss_percent']:>9}%"]
         runs = []
         for arm in ("metaroce", "rxe"):
-            med = level["arms"][arm]["median_gbps"]
-            base = lossless[arm]
-            ratio = med / base if med is not None and base else None
-            level["arms"][arm]["ratio_to_lossless"] = ratio
-            row.append(f"{_fmt(med):>9} {_fmt(ratio, '.2f'):>6}")
-            runs.append(f"{arm} " + ",".join(f"{x:.3f}" for x in level["arms"][arm]["gbps"]))
-        print("  ".join(row) + "  " + "; ".join(runs) + f"  (load {level['load_average']})")
+            a = level["arms"][arm]
+            row.append(
+                f"{_fmt(a['median_gbps']):>9} {_fmt(a['ratio_to_lossless'], '.2f'):>6} "
+                f"{_fmt(a['paired_ratio'], '.2f'):>6}"
+            )
+            runs.append(
+                f"{arm} " + ",".join("failed" if x is None else f"{x:.3f}" for x in a["gbps"])
+            )
+        loads = ", ".join(str(x) for x in level["load_average"])
+        print("  ".join(row) + "  " + "; ".join(runs) + f"  (load {loads})")
     red = results.get("red")
     if red and "failed" not in red:
         print(
