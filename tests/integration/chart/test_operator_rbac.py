@@ -172,19 +172,23 @@ def test_the_operator_changes_only_its_own_taints_on_nodes_issue_16_13(
 
     def write_taints(taints: list[dict[str, Any]]) -> tuple[bool, str]:
         # As taints.py does: the node's other taints (the node lifecycle controller's
-        # not-ready ones on this kubelet-less Node) are kept, under its resourceVersion.
-        node = json.loads(inst.cluster.kubectl("get", "node", inst.node, "-o", "json").stdout)
-        others = [t for t in node["spec"].get("taints") or [] if t["key"] != taint["key"]]
-        patch = {
-            "metadata": {"resourceVersion": node["metadata"]["resourceVersion"]},
-            "spec": {"taints": others + taints},
-        }
-        return inst.as_operator("patch", "node", inst.node, "--type=merge", "-p", json.dumps(patch))
+        # not-ready ones on this kubelet-less Node) are kept, under its resourceVersion;
+        # a controller may update the Node between the read and the patch: read again.
+        for _ in range(5):
+            node = json.loads(inst.cluster.kubectl("get", "node", inst.node, "-o", "json").stdout)
+            others = [t for t in node["spec"].get("taints") or [] if t["key"] != taint["key"]]
+            patch = {
+                "metadata": {"resourceVersion": node["metadata"]["resourceVersion"]},
+                "spec": {"taints": others + taints},
+            }
+            ok, err = inst.as_operator(
+                "patch", "node", inst.node, "--type=merge", "-p", json.dumps(patch)
+            )
+            if ok or "modified" not in err:
+                break
+        return ok, err
 
-    for _ in range(5):  # a controller may update the Node between the read and the patch
-        ok, err = write_taints([taint])
-        if ok or "modified" not in err:
-            break
+    ok, err = write_taints([taint])
     assert ok, err
     ok, err = write_taints([])
     assert ok, err
