@@ -40,6 +40,7 @@ from metaroce_harness.guest_transport import (
     ib_write_bw,
     load_average,
     metaroce_perf,
+    paired_ratios,
     red_marked,
     set_netem,
     set_red_bottleneck,
@@ -138,12 +139,6 @@ def summarize(levels: list[dict[str, Any]]) -> None:
             arm["ratio_to_lossless"] = med / base if med is not None and base else None
             arm["paired_ratios"] = paired_ratios(arm["gbps"], base_runs[name])
             arm["paired_ratio"] = _median(arm["paired_ratios"])
-
-
-def paired_ratios(runs: list[float | None], lossless: list[float | None]) -> list[float]:
-    """Each round's run over the same round's lossless run (rounds where either failed,
-    or the lossless run moved nothing, are left out)."""
-    return [x / b for x, b in zip(runs, lossless, strict=False) if x is not None and b]
 
 
 def measure_red(

@@ -49,6 +49,7 @@ from metaroce_harness.guest_transport import (
     BENCH_RXE_FLAGS,
     NETEM_DELAY_MS,
     clear_qdisc,
+    paired_ratios,
     set_netem,
     socket_buffers,
 )
@@ -129,8 +130,7 @@ class Figures:
     def paired_ratio(self) -> float:
         """The median over runs of each lossy run / the lossless run just before it: the
         emulated guests' speed drifts between runs, and a pair shares most of it."""
-        pairs = zip(self.goodput[LOSS_PERCENT], self.goodput[0.0], strict=False)
-        ratios = [lossy / lossless for lossy, lossless in pairs if lossless > 0]
+        ratios = paired_ratios(self.goodput[LOSS_PERCENT], self.goodput[0.0])
         return statistics.median(ratios) if ratios else 0.0
 
 

@@ -23,7 +23,7 @@ import re
 import shutil
 import subprocess
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -284,6 +284,13 @@ def perftest_average_gbps(out: str) -> float:
     MsgRate), 0 when there is none."""
     rows = [ln.split() for ln in out.splitlines() if re.match(r"\s*\d+\s+\d+\s+[\d.]+", ln)]
     return float(rows[-1][3]) if rows else 0.0
+
+
+def paired_ratios(runs: Sequence[float | None], lossless: Sequence[float | None]) -> list[float]:
+    """Each run over the lossless run of the same round (the emulated guests' speed drifts
+    between rounds, and a pair shares most of it); rounds where either failed (None), or
+    the lossless run moved nothing, are left out."""
+    return [x / b for x, b in zip(runs, lossless, strict=False) if x is not None and b]
 
 
 def load_average() -> str:
