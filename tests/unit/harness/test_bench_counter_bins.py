@@ -2,27 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
-
-ROOT = Path(__file__).resolve().parents[3]
-
-
-def _scenarios() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "transport_scenarios", ROOT / "bench" / "transport_scenarios.py"
-    )
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("transport_scenarios", mod)
-    spec.loader.exec_module(mod)
-    return mod
+from bench_modules import load_bench
 
 
 def test_a_steady_counter_gives_even_bins_however_late_the_samples() -> None:
-    bins_of = _scenarios().counter_bins
+    bins_of = load_bench("transport_scenarios").counter_bins
     rate = 100_000_000 / 8  # bytes per second: 100 Mbit/s
     times = [10.0 + i * 0.0005 for i in range(200)]  # every 0.5 ms for 100 ms ...
     times[50:70] = [times[49] + 0.012]  # ... but one sample 12 ms late
@@ -35,13 +19,13 @@ def test_a_steady_counter_gives_even_bins_however_late_the_samples() -> None:
 
 
 def test_samples_before_the_start_are_left_out() -> None:
-    bins_of = _scenarios().counter_bins
+    bins_of = load_bench("transport_scenarios").counter_bins
     samples = [[9.99, 0], [10.0, 0], [10.01, 125_000], [10.02, 250_000]]
     assert bins_of(samples, 10.0, 10) == [100.0, 100.0]
 
 
 def test_recovery_allows_a_dip_in_the_first_100_ms_and_counts_one_after() -> None:
-    recovery = _scenarios().recovery
+    recovery = load_bench("transport_scenarios").recovery
     steady = [100.0] * 100 + [80.0] * 100  # the cut at bin 100: 3 links carry 0.8
     early = steady.copy()
     early[103:106] = [40.0, 50.0, 60.0]  # the dark link's packets found lost and resent
@@ -54,7 +38,7 @@ def test_recovery_allows_a_dip_in_the_first_100_ms_and_counts_one_after() -> Non
 
 
 def test_held_counts_per_series_with_the_failing_runs_lowest_bins() -> None:
-    held_counts = _scenarios().held_counts
+    held_counts = load_bench("transport_scenarios").held_counts
     runs = [
         {"held": False, "hold_min": 0.62, "arrived": {"held": True, "hold_min": 0.73}},
         {"held": True, "hold_min": 0.71, "arrived": {"held": False, "hold_min": 0.698}},

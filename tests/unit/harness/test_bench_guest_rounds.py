@@ -3,27 +3,11 @@ paired ratio (each round's run over the same round's lossless run)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
-
-ROOT = Path(__file__).resolve().parents[3]
-
-
-def _guests_bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "transport_guests", ROOT / "bench" / "transport_guests.py"
-    )
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("transport_guests", mod)
-    spec.loader.exec_module(mod)
-    return mod
+from bench_modules import load_bench
 
 
 def test_a_drift_between_rounds_leaves_the_paired_ratio_alone() -> None:
-    bench = _guests_bench()
+    bench = load_bench("transport_guests")
     lossless, lossy = bench.new_level(0.0, 1.0), bench.new_level(1.0, 1.0)
     # The guests run at twice the speed in the last round; each round's 1% run is 0.9
     # of its own lossless run.
@@ -42,6 +26,6 @@ def test_a_drift_between_rounds_leaves_the_paired_ratio_alone() -> None:
 
 
 def test_a_failed_run_leaves_its_round_out_of_the_pairs() -> None:
-    bench = _guests_bench()
+    bench = load_bench("transport_guests")
     assert bench.paired_ratios([0.05, None, 0.1], [0.1, 0.1, None]) == [0.5]
     assert bench.paired_ratios([0.09], [0.0]) == []
