@@ -78,7 +78,9 @@ API (all timeouts in seconds):
   ``Guest.tx_stalls()``: how often the guest's kernel saw a NIC transmit queue stuck;
   ``GuestCluster.l2_report() -> str``: the L2 as it is now (the bridge's per-tap
   counters and learned MACs; per guest the NIC's counters, neighbours, qdiscs, a ping of
-  each other guest and the kernel's last lines), over the command channel, not the L2.
+  each other guest and the kernel's last lines), over the command channel, not the L2,
+  and ``Guest.nic_queues()``: qemu's view of the L2 NIC's rings over QMP
+  (``Guest.qmp_socket``; ``l2_health`` finds a dead L2 and revives it).
 - ``leftovers(owner_pid=None) -> list[str]``: qemu processes, L2 bridge helpers and run
   directories of this harness still present (for leak checks). ``boot_history`` lists every boot of
   this process (guest count, seconds, seconds per guest, attempts per guest).
@@ -126,7 +128,13 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
+from metaroce_harness.qmp import QmpError, qmp_command
+
 log = logging.getLogger("metaroce.guests")
+
+L2_NIC_ID = "l2nic"
+"""The qemu device id of each guest's NIC on the private L2 (its ``eth0``)."""
+L2_NIC_PATH = f"/machine/peripheral/{L2_NIC_ID}/virtio-backend"
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = REPO_ROOT / "hack" / "build-guest.sh"
@@ -761,6 +769,7 @@ class Guest:
     qemu_log: Path
     cmd_socket: Path
     l2_socket: Path
+    qmp_socket: Path
     share: Path | None
     boot_seconds: float = 0.0
     attempts: int = 0
@@ -863,6 +872,31 @@ class Guest:
         except OSError:
             return 0
         return text.count("NETDEV WATCHDOG")
+
+    def nic_queues(self) -> str:
+        """What qemu holds of the L2 NIC's receive and transmit rings: how far the guest
+        has posted buffers (avail), how far qemu has taken them and filled them (used),
+        and the last used index it interrupted the guest for (signalled). A receive ring
+        whose buffers qemu has all taken waits on the guest; one with buffers left while
+        the tap holds frames waits on qemu."""
+        lines = []
+        for queue_index, ring in ((0, "rx"), (1, "tx")):
+            try:
+                st = qmp_command(
+                    self.qmp_socket,
+                    "x-query-virtio-queue-status",
+                    {"path": L2_NIC_PATH, "queue": queue_index},
+                )
+            except QmpError as exc:
+                lines.append(f"{self.name} eth0 {ring} ring: not readable over QMP: {exc}")
+                continue
+            lines.append(
+                f"{self.name} eth0 {ring} ring (qemu's view, {st['vring-num']} slots): "
+                f"avail {st['shadow-avail-idx']}, taken {st['last-avail-idx']}, "
+                f"used {st['used-idx']}, signalled {st['signalled-used']}, "
+                f"in use {st['inuse']}"
+            )
+        return "\n".join(lines)
 
     def console_tail(self, lines: int = 25) -> str:
         try:
@@ -1153,6 +1187,7 @@ class GuestCluster:
                     qemu_log=self.log_dir / f"node-{n}.qemu.log",
                     cmd_socket=self.run_dir / f"n{n}.cmd",
                     l2_socket=self.run_dir / f"n{n}.l2",
+                    qmp_socket=self.run_dir / f"n{n}.qmp",
                     share=self.share,
                 )
             )
@@ -1222,6 +1257,10 @@ class GuestCluster:
             script = (
                 "ip -s link show dev eth0; ip neigh show dev eth0; tc -s qdisc show dev eth0; "
                 "{ ethtool -S eth0 | grep -v ': 0$'; } 2>/dev/null; "
+                # the NIC's interrupts and the softirq's per-CPU counts: does the guest
+                # still hear from the NIC, and does its receive softirq still run?
+                'v=$(basename "$(readlink /sys/class/net/eth0/device)"); '
+                'grep "$v-" /proc/interrupts; echo softnet_stat:; cat /proc/net/softnet_stat; '
                 f"for p in {peers}; do ping -n -q -c 2 -W 1 -I eth0 $p | tail -n 2; done; "
                 "dmesg | tail -n 12"
             )
@@ -1230,6 +1269,7 @@ class GuestCluster:
                 parts.append(f"--- {g.name} ---\n{out.stdout.strip()}\n{out.stderr.strip()}")
             except GuestError as exc:
                 parts.append(f"--- {g.name}: no answer: {exc}")
+            parts.append(g.nic_queues())
         return "\n".join(parts)
 
     def _l2_netdev(self, g: Guest) -> str:
@@ -1278,7 +1318,7 @@ class GuestCluster:
             "-serial", f"file:{g.console_log}",
             "-device", "virtio-rng-pci",
             "-netdev", self._l2_netdev(g),
-            "-device", f"virtio-net-pci,netdev=l2,mac={g.mac},romfile=",
+            "-device", f"virtio-net-pci,netdev=l2,id={L2_NIC_ID},mac={g.mac},romfile=",
             "-netdev", ",".join(["user,id=wan,net=10.0.2.0/24", *hostfwd]),
             "-device",
             f"virtio-net-pci,netdev=wan,mac=52:54:00:02:{n >> 8:02x}:{n & 0xFF:02x},romfile=",
@@ -1291,6 +1331,7 @@ class GuestCluster:
             "-device", "virtio-serial-pci,id=vser",
             "-chardev", f"socket,id=cmd,path={g.cmd_socket},server=on,wait=off",
             "-device", f"virtserialport,bus=vser.0,chardev=cmd,name={CMD_PORT_NAME}",
+            "-qmp", f"unix:{g.qmp_socket},server=on,wait=off",
         ]  # fmt: skip
         if _QBOOT.exists():  # a minimal firmware: boots much faster than SeaBIOS under TCG
             argv += ["-bios", str(_QBOOT)]
@@ -1310,7 +1351,7 @@ class GuestCluster:
 
     def _launch(self, g: Guest) -> None:
         g.attempts += 1
-        for path in (g.cmd_socket, g.l2_socket):
+        for path in (g.cmd_socket, g.l2_socket, g.qmp_socket):
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
         if g.console_log.exists():  # keep the console of the failed attempt

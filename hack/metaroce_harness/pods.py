@@ -254,11 +254,32 @@ def ib_write_bw(
     server_ip: str,
     flags: str,
     link: LinkCounters | None,
+    revive_l2: Callable[[], str | None] | None = None,
 ) -> tuple[float, dict[str, int]]:
     """One complete ib_write_bw run on ``RXE``: the client's average bandwidth in Gb/s
     and what it cost the link. A run that moves nothing is not retried: it fails
     (AssertionError) with the counters and what they say. Only a run whose bandwidth
-    perftest could not compute (its clock not calibrated) is repeated."""
+    perftest could not compute (its clock not calibrated) is repeated, and, once, a run
+    during which the guests' L2 died: ``revive_l2`` (``l2_health.heal_l2``) says None
+    while the L2 answers, or revives it and says how."""
+    try:
+        return _ib_write_bw_calibrated(start_server, run_client, server_ip, flags, link)
+    except AssertionError as failure:
+        healed = revive_l2() if revive_l2 is not None else None
+        if healed is None:
+            raise
+        print(f"ib_write_bw moved nothing because {healed.splitlines()[0]}; running it "
+              f"again\nthe failed run: {str(failure)[:2000]}\n{healed}", flush=True)  # fmt: skip
+        return _ib_write_bw_calibrated(start_server, run_client, server_ip, flags, link)
+
+
+def _ib_write_bw_calibrated(
+    start_server: StartServer,
+    run_client: RunClient,
+    server_ip: str,
+    flags: str,
+    link: LinkCounters | None,
+) -> tuple[float, dict[str, int]]:
     for run in range(1, CALIBRATION_RUNS + 1):
         code, out = _ib_write_bw_once(start_server, run_client, server_ip, flags)
         delta = link.delta() if link is not None else {}

@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 
+from metaroce_harness import l2_health
 from metaroce_harness.cluster import LocalCluster, ensure_binaries
 from metaroce_harness.nodes import APISERVER_ARGS, RealNodes, leftover_addresses
 from metaroce_harness.pods import Kube
@@ -104,6 +105,20 @@ def pytest_runtest_makereport(
         report.sections.append(("the guests' L2 after this failure", text))
 
 
+@pytest.fixture(autouse=True)
+def l2_alive(kube: Kube, figures: list[str], request: pytest.FixtureRequest) -> None:
+    """Before each test on the harness's own nodes: the guests reach each other over
+    their L2, revived if an emulated NIC had stopped taking frames (``l2_health``), so
+    that one dead NIC fails the test it happened in, not every later one. A revival is
+    printed in the tier's figures; an L2 that stays dead errors the test here."""
+    guests = kube.real_nodes.guests if kube.real_nodes is not None else None
+    if guests is None:
+        return
+    healed = l2_health.heal_l2(guests)
+    if healed is not None:
+        figures.append(f"before {request.node.name}: {healed.splitlines()[0]}")
+
+
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
     if nextitem is None or _HERE not in Path(str(nextitem.path)).parents:
         _REAL_NODES.close()  # idempotent: the fixture's own exit is then a no-op
@@ -124,6 +139,10 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         terminalreporter.section("real-node figures")
         for line in _FIGURES:
             terminalreporter.write_line(line)
+    if l2_health.heals:
+        terminalreporter.section("the guests' L2 died and was revived", red=True)
+        for text in l2_health.heals:
+            terminalreporter.write_line(text)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -50,7 +50,7 @@ import yaml
 from conftest import REPO_ROOT, Kube
 
 from metaroce_api import constants
-from metaroce_harness import chart
+from metaroce_harness import chart, l2_health
 from metaroce_harness.cluster import ensure_binaries
 from metaroce_harness.guest_transport import NETEM_DELAY_MS, clear_qdisc, set_netem
 from metaroce_harness.nodes import RealNodes
@@ -402,14 +402,15 @@ def _pods_move_rdma_traffic(kube: Kube, figures: list[str], repeat: int) -> None
     pod_bw: list[float] = []
     node_bw: list[float] = []
     costs: list[tuple[str, dict[str, int]]] = []
+    revive = (lambda: l2_health.heal_l2(guests)) if guests is not None else None
     for _ in range(BW_ROUNDS):
         in_b, in_a = in_pod(kube, POD_NAMESPACE, "rdma-b"), in_pod(kube, POD_NAMESPACE, "rdma-a")
-        bw, cost = ib_write_bw(in_b[0], in_a[1], server_ip, flags, link)
+        bw, cost = ib_write_bw(in_b[0], in_a[1], server_ip, flags, link, revive)
         pod_bw.append(bw)
         costs.append(("pods", cost))
         if guests is not None:
             g0, g1 = guests
-            bw, cost = ib_write_bw(on_node(g1)[0], on_node(g0)[1], g1.ip, flags, link)
+            bw, cost = ib_write_bw(on_node(g1)[0], on_node(g0)[1], g1.ip, flags, link, revive)
             node_bw.append(bw)
             costs.append(("nodes", cost))
     figures.append(f"[round {repeat}] ib_write_bw pods {pod_bw} Gb/s, nodes {node_bw} Gb/s")

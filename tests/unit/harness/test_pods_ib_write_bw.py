@@ -57,3 +57,30 @@ def test_a_clock_that_never_calibrates_fails_and_says_so() -> None:
     with pytest.raises(AssertionError, match="could not calibrate its cycle clock in 3 run"):
         pods.ib_write_bw(server, client, "10.0.0.2", "-D 4", None)
     assert len(servers) == pods.CALIBRATION_RUNS
+
+
+def test_a_run_during_which_the_l2_died_is_repeated_once_it_is_revived() -> None:
+    server, client, servers = _runner([(124, NOTHING), (0, GOOD)])
+    revived: list[str] = []
+
+    def revive() -> str | None:
+        revived.append("poked")
+        return "the guests' L2 was dead (node-1->192.168.77.12) and came back after: x"
+
+    bw, _ = pods.ib_write_bw(server, client, "10.0.0.2", "-D 4", None, revive_l2=revive)
+    assert bw == pytest.approx(0.066)
+    assert len(servers) == 2 and revived == ["poked"]
+
+
+def test_a_run_that_moved_nothing_over_a_live_l2_still_fails() -> None:
+    server, client, servers = _runner([(0, NOTHING), (0, GOOD)])
+    with pytest.raises(AssertionError, match="moved nothing"):
+        pods.ib_write_bw(server, client, "10.0.0.2", "-D 4", None, revive_l2=lambda: None)
+    assert len(servers) == 1
+
+
+def test_a_revived_l2_gets_one_more_run_not_two() -> None:
+    server, client, servers = _runner([(124, NOTHING), (124, NOTHING), (0, GOOD)])
+    with pytest.raises(AssertionError, match="moved nothing"):
+        pods.ib_write_bw(server, client, "10.0.0.2", "-D 4", None, revive_l2=lambda: "revived")
+    assert len(servers) == 2
