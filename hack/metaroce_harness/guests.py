@@ -132,6 +132,8 @@ from metaroce_harness.qmp import QmpError, qmp_command
 
 log = logging.getLogger("metaroce.guests")
 
+L2_NETDEV_ID = "l2"
+"""The qemu netdev (backend) of each guest's private L2: QMP's ``set_link`` names it."""
 L2_NIC_ID = "l2nic"
 """The qemu device id of each guest's NIC on the private L2 (its ``eth0``)."""
 L2_NIC_PATH = f"/machine/peripheral/{L2_NIC_ID}/virtio-backend"
@@ -1274,10 +1276,10 @@ class GuestCluster:
 
     def _l2_netdev(self, g: Guest) -> str:
         if isinstance(self._l2, _Bridge):
-            return f"tap,id=l2,fd={self._l2.tap_fds[g.index]}"
+            return f"tap,id={L2_NETDEV_ID},fd={self._l2.tap_fds[g.index]}"
         assert self.run_dir is not None
         return (
-            f"dgram,id=l2,local.type=unix,local.path={g.l2_socket},"
+            f"dgram,id={L2_NETDEV_ID},local.type=unix,local.path={g.l2_socket},"
             f"remote.type=unix,remote.path={self.run_dir / 'hub.l2'}"
         )
 
@@ -1318,7 +1320,7 @@ class GuestCluster:
             "-serial", f"file:{g.console_log}",
             "-device", "virtio-rng-pci",
             "-netdev", self._l2_netdev(g),
-            "-device", f"virtio-net-pci,netdev=l2,id={L2_NIC_ID},mac={g.mac},romfile=",
+            "-device", f"virtio-net-pci,netdev={L2_NETDEV_ID},id={L2_NIC_ID},mac={g.mac},romfile=",
             "-netdev", ",".join(["user,id=wan,net=10.0.2.0/24", *hostfwd]),
             "-device",
             f"virtio-net-pci,netdev=wan,mac=52:54:00:02:{n >> 8:02x}:{n & 0xFF:02x},romfile=",

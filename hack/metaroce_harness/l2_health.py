@@ -13,9 +13,9 @@ the emulated NIC (qemu's virtio-net under TCG) or the guest's receive path.
   then pokes, gentlest first, until the pairs answer again: qemu reads its taps again
   (``set_link`` up, which flushes what it had stopped reading), a carrier flap, and last
   the guest's own ``ip link set eth0 down/up`` (``bounce_nic``: its routes put back).
-  Returns what was
-  dead, the report and what revived it; raises ``GuestError`` with all of that when
-  nothing did. Every revival is kept in ``heals`` so that a test run prints it.
+  Returns what was dead, the report and what revived it; raises ``GuestError`` with all
+  of that when nothing did. Every revival is kept in ``heals`` so that a test run prints
+  it.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from metaroce_harness.guests import Guest, GuestCluster, GuestError
+from metaroce_harness.guests import L2_NETDEV_ID, Guest, GuestCluster, GuestError
 from metaroce_harness.qmp import QmpError, qmp_command
 
 log = logging.getLogger("metaroce.guests")
@@ -94,7 +94,7 @@ def _answers_within(cluster: GuestCluster, seconds: float) -> bool:
 def _pokes(cluster: GuestCluster) -> list[tuple[str, Callable[[], None]]]:
     def set_link(up: bool) -> None:
         for g in cluster:
-            qmp_command(g.qmp_socket, "set_link", {"name": "l2", "up": up})
+            qmp_command(g.qmp_socket, "set_link", {"name": L2_NETDEV_ID, "up": up})
 
     def flap() -> None:
         set_link(False)

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from metaroce_harness import l2_health
-from metaroce_harness.guests import GuestCluster, GuestError
+from metaroce_harness.guests import L2_NETDEV_ID, GuestCluster, GuestError
 from metaroce_harness.qmp import qmp_command
 
 pytestmark = pytest.mark.e2e
@@ -31,7 +31,7 @@ def test_a_live_l2_is_left_alone(guests: GuestCluster) -> None:
 def test_a_nic_qemu_stopped_serving_is_found_reported_and_revived(guests: GuestCluster) -> None:
     a, b = guests[0], guests[1]
     # qemu stops carrying node-2's frames either way: from both guests, the L2 is dead
-    qmp_command(b.qmp_socket, "set_link", {"name": "l2", "up": False})
+    qmp_command(b.qmp_socket, "set_link", {"name": L2_NETDEV_ID, "up": False})
     assert sorted(l2_health.l2_unreachable(guests)) == [f"{a.name}->{b.ip}", f"{b.name}->{a.ip}"]
     text = l2_health.heal_l2(guests)
     print(text)
