@@ -265,6 +265,28 @@ print(sorted({t for e in json.loads(out or "[]") if (t := marking_of(e)[0]) is n
 """
 
 
+def wait_for_failures(g: Any, n: int) -> None:
+    def logged() -> bool:
+        return sh(g, f"cat {LOG}").count(" failed; next attempt in ") >= n
+
+    wait_for(f"attempt {n} failed", logged, 240, 1)
+
+
+def stop_between_passes(g: Any, pid: int) -> None:
+    """SIGSTOP the agent while it waits out a backoff: the log's last pass ended with
+    "attempt N failed" and no retry has begun since. The backoff is 10 s or more and the
+    log is read right after the stop, so a stop inside a pass is seen and tried again."""
+    for _ in range(5):
+        sh(g, f"kill -STOP {pid}")
+        log = sh(g, f"cat {LOG}")
+        last_failed = log.rfind(" failed; next attempt in ")
+        if last_failed >= 0 and "retrying the apply pass" not in log[last_failed:]:
+            return
+        sh(g, f"kill -CONT {pid}")
+        wait_for_failures(g, log.count(" failed; next attempt in ") + 1)
+    raise AssertionError(f"the agent was never caught between two passes:\n{log[-3000:]}")
+
+
 def test_a_step_failing_on_its_second_and_later_passes_keeps_the_last_verified_state(
     node1: Any,
 ) -> None:
@@ -293,11 +315,18 @@ def test_a_step_failing_on_its_second_and_later_passes_keeps_the_last_verified_s
         wait_log("apply: ", "first apply")  # "apply: N steps in S s": verified and journaled
         assert_applied(node_state(g), 26, "first apply")
         g.write_file(CONFIG, config(34))
-        # the failed re-apply and, after the backoff (5 s), a second failed attempt
+        # the failed re-apply and, after the backoff (5 s), a second failed attempt; the
+        # node is read while the agent is stopped between two attempts (CI once read it
+        # in the middle of attempt 3, whose tc step had set 34 a moment before its restore)
         wait_log("attempt 2 failed", "re-apply to 34")
-        st = node_state(g)
-        assert_applied(st, 26, "after two failed re-applies to 34")
-        assert sh(g, "python3 /tmp/marking.py").strip() == "[104]", sh(g, f"tail -n 40 {LOG}")
+        stop_between_passes(g, agent.pid)
+        try:
+            st = node_state(g)
+            assert_applied(st, 26, "after two failed re-applies to 34")
+            marking = sh(g, "python3 /tmp/marking.py").strip()
+            assert marking == "[104]", sh(g, f"tail -n 40 {LOG}")
+        finally:
+            sh(g, f"kill -CONT {agent.pid}")
         log = sh(g, f"cat {LOG}")
         assert log.count("apply: ") == 1, f"only the first pass may succeed:\n{log}"
         assert "failpoint apply.step.roce-tos (hit 2" in log, log
