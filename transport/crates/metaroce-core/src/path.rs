@@ -74,7 +74,8 @@ pub struct RecentMin {
     previous: Micros,
 }
 
-/// RecentMin's bucket: long enough to hold a few samples of every busy path.
+/// RecentMin's bucket for a path's own queue: long enough to hold a few samples
+/// of every busy path.
 pub const RECENT_MIN_BUCKET: Micros = MS;
 
 impl RecentMin {
@@ -82,12 +83,12 @@ impl RecentMin {
         Self { bucket_start: 0, current: Micros::MAX, previous: Micros::MAX }
     }
 
-    fn update(&mut self, now: Micros, sample: Micros) {
-        if now >= self.bucket_start + 2 * RECENT_MIN_BUCKET {
+    fn update(&mut self, now: Micros, sample: Micros, bucket: Micros) {
+        if now >= self.bucket_start + 2 * bucket {
             self.previous = Micros::MAX;
             self.current = Micros::MAX;
             self.bucket_start = now;
-        } else if now >= self.bucket_start + RECENT_MIN_BUCKET {
+        } else if now >= self.bucket_start + bucket {
             self.previous = self.current;
             self.current = Micros::MAX;
             self.bucket_start = now;
@@ -151,6 +152,10 @@ pub struct Path {
     pub inflight_bytes: u64,
     pub rtt: Rtt,
     pub recent_rtt: RecentMin,
+    /// The lowest sample of the last one to two srtt (Copa's standing RTT): a
+    /// queue the window builds persists through it, a stall of the hosts shorter
+    /// than an RTT does not.
+    pub standing_rtt: RecentMin,
     pub cc: Aimd,
     /// Consecutive timeouts without an ACK in between.
     pub backoff: u32,
@@ -226,6 +231,7 @@ impl Path {
             inflight_bytes: 0,
             rtt: Rtt::new(initial_rtt),
             recent_rtt: RecentMin::new(),
+            standing_rtt: RecentMin::new(),
             cc: Aimd::new(mss, max_window).with_queue_target(queue_target),
             backoff: 0,
             last_ack_at: 0,
@@ -383,9 +389,17 @@ impl Path {
                 let sample = now.saturating_sub(sent_at).saturating_sub(ack_delay).max(1);
                 self.rtt.update(sample);
                 self.rtt_samples = self.rtt_samples.saturating_add(1);
-                self.recent_rtt.update(now, sample);
+                self.recent_rtt.update(now, sample, RECENT_MIN_BUCKET);
+                self.standing_rtt.update(now, sample, self.rtt.srtt.max(RECENT_MIN_BUCKET));
                 let recent = self.recent_rtt.get();
-                let delay = Delay { rtt: sample, min_rtt: self.rtt.min, srtt: self.rtt.srtt, recent, common: common.min(recent) };
+                let delay = Delay {
+                    rtt: sample,
+                    min_rtt: self.rtt.min,
+                    srtt: self.rtt.srtt,
+                    recent,
+                    common: common.min(recent),
+                    standing: self.standing_rtt.get(),
+                };
                 self.cc.on_ack(now, out.acked_bytes, delay);
             }
             self.backoff = 0;

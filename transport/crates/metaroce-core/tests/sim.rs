@@ -152,8 +152,9 @@ fn stalls_longer_than_the_min_rto_teach_an_rto_floor() {
     // answers (`Path::on_timeout`): 989 spurious resends here, where handing the
     // whole window back at each timeout sent 2013 (1.7%). 1165 since each ACK entry
     // rides two ACKs (`ACK_REPORTS`): the stalls reorder datagrams by 15 ms across
-    // links, and the sender hears of later packets sooner.
-    assert!((b.dup_rcvd as f64) <= 0.01 * a.pkts_sent as f64, "spurious resends {} of {}", b.dup_rcvd, a.pkts_sent);
+    // links, and the sender hears of later packets sooner. 1243 (1.04%) since the
+    // whole RTT is held to the standing RTT: windows stay larger through a stall.
+    assert!((b.dup_rcvd as f64) <= 0.011 * a.pkts_sent as f64, "spurious resends {} of {}", b.dup_rcvd, a.pkts_sent);
     // Every copy the receiver saw twice was sent again, tail-loss probes included: the
     // spurious share of the resends is at most 1 (reports once read 963 of 928).
     assert!(b.dup_rcvd <= a.retransmits, "dup_rcvd {} > retransmits {}", b.dup_rcvd, a.retransmits);
@@ -180,6 +181,31 @@ fn random_loss_in_both_directions_keeps_goodput() {
         assert!(ratio >= floor, "loss {loss}: ratio {ratio:.3} < {floor}");
         // Retransmits and duplicates are not goodput: each byte counts once.
         assert_eq!(sim.eps[0].counters().bytes_acked, 24 << 20);
+    }
+}
+
+/// Two emulated nodes' pods: one link (1 ms each way, 48 Mbit/s), four paths, the
+/// hosts stalling every datagram 8 ms in half of each 40 ms. At 1% loss the least
+/// RTT of the last millisecond read each stall as a queue every path shares, and
+/// the windows fell to a few packets a path: 0.48-0.50 of the lossless goodput in
+/// three seeds of four. The standing RTT (the least of one to two srtt) keeps 0.99.
+#[test]
+fn host_stalls_at_one_percent_loss_keep_goodput() {
+    let run = |loss: f64, seed: u64| {
+        let cfg = Config { paths: 4, min_rto: 5 * MS, queue_target: 500, ..Config::default() };
+        let mut link = Link::new(MS, 6.0);
+        link.loss = loss;
+        let mut sim = Sim::two(cfg, vec![link], seed);
+        sim.host_busy = Some((40 * MS, 8 * MS));
+        let out = transfer(&mut sim, 0, 1, &vec![64 << 10; 400], 60 * SEC);
+        (out.took, sim.eps[0].counters())
+    };
+    let (lossless, _) = run(0.0, 1);
+    for seed in 1..=4 {
+        let (took, c) = run(0.01, 99 + 2 * seed);
+        let ratio = lossless as f64 / took as f64;
+        println!("stalls at 1% loss, seed {seed}: ratio {ratio:.2}; rtos {} tlps {} retransmits {}", c.rtos, c.tlps, c.retransmits);
+        assert!(ratio >= 0.9, "seed {seed}: {ratio:.2} of the lossless goodput: {c:?}");
     }
 }
 

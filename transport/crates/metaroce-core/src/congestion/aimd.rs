@@ -11,7 +11,11 @@
 //! fabric from endpoint delay: the path's own queue (its srtt above the
 //! connection's least-delayed path, `queue_target`), and the whole RTT above the
 //! path's minimum (`SHARED_QUEUE_FACTOR` times that target), which also grows
-//! when the hosts are busy and so must not be held to the tight target.
+//! when the hosts are busy and so must not be held to the tight target. The
+//! whole RTT is the path's standing RTT (the least of the last one to two srtt,
+//! as Copa's): with stalls of the hosts in every few RTTs, the least of the last
+//! millisecond read each stall as a queue, and at 1% loss the windows fell to a
+//! few packets a path and half the goodput (`tests/sim.rs`).
 
 use super::{Controller, Delay};
 use crate::time::Micros;
@@ -100,7 +104,7 @@ impl Controller for Aimd {
     fn on_ack(&mut self, now: Micros, acked: u64, d: Delay) {
         let own_target = self.queue_target.max(d.min_rtt / 2);
         let own = d.recent.saturating_sub(d.common);
-        let shared = d.recent.saturating_sub(d.min_rtt);
+        let shared = d.standing.saturating_sub(d.min_rtt);
         let shared_target = SHARED_QUEUE_FACTOR * own_target;
         // Over either target: the fraction of the delay that is queue, as Swift.
         let over = if own > own_target {
@@ -200,7 +204,7 @@ mod tests {
     use super::*;
 
     fn d(rtt: Micros, min_rtt: Micros, srtt: Micros, common: Micros) -> Delay {
-        Delay { rtt, min_rtt, srtt, recent: rtt, common }
+        Delay { rtt, min_rtt, srtt, recent: rtt, common, standing: rtt }
     }
 
     #[test]

@@ -21,6 +21,11 @@ pub struct Delay {
     /// thread: hundreds of microseconds on a loaded host), so `recent - common`
     /// is the queue on this path's own links, the part a window on it can change.
     pub common: Micros,
+    /// The path's lowest sample of the last one to two srtt: what the whole RTT
+    /// is held to. A queue on the way persists that long; a stall of the hosts
+    /// (a descheduled thread, an emulated CPU) mostly does not, and read as a
+    /// queue it held windows under what the stalls leave in flight.
+    pub standing: Micros,
 }
 
 pub trait Controller: Send + std::fmt::Debug {
