@@ -78,6 +78,7 @@ SECONDS = 5
 
 
 DETAIL_FIELDS = (
+    "sack_holes",
     "rtos",
     "spurious_rtos",
     "late_losses",
@@ -279,15 +280,17 @@ class Demo:
         return gbps, link.delta()["node-1 completer_retry_err"], ""
 
     def metaroce_run(self, ips: tuple[str, str]) -> tuple[float, int, str]:
-        """Goodput, packets resent, and what gave them up: timeouts, the late rule (a
-        path's oldest packet overdue while later ones were acknowledged), tail probes,
-        and how many the receiver already had (spurious)."""
+        """Goodput, packets resent, and what gave them up: gaps in a path's sequence (a
+        later packet of the path acknowledged: the losses the wire made), timeouts, the
+        late rule (a path's oldest packet overdue while later ones were acknowledged),
+        tail probes, and how many the receiver already had (spurious)."""
         report = pod_perf(self.kube, POD_NAMESPACE, self.pods, ips, seconds=SECONDS)
         if not report.get("messages"):
             raise HarnessError(f"metaroce-perf moved nothing between the pods: {report}")
         r = {k: report.get(k, "-") for k in DETAIL_FIELDS}
         detail = (
-            f" (timeouts {r['rtos']}, {r['spurious_rtos']} spurious; late {r['late_losses']}, "
+            f" (gaps {r['sack_holes']}; timeouts {r['rtos']}, {r['spurious_rtos']} spurious; "
+            f"late {r['late_losses']}, "
             f"{r['spurious_late_losses']} spurious; tail probes {r['tlps']}; the receiver "
             f"had {r['spurious_retransmits']} already)"
         )

@@ -492,6 +492,7 @@ impl Connection {
         let evidence = self.newest_acked_order;
         for i in 0..self.paths.len() {
             for f in self.paths[i].take_held(evidence) {
+                out.counters.held_released += 1;
                 self.requeue(f, i);
             }
             let lost = self.paths[i].take_late(&self.params.timers, now, evidence);

@@ -27,6 +27,9 @@ pub struct Counters {
     pub late_losses: u64,
     /// ACKs that showed a late declaration premature (the path then waits longer).
     pub spurious_late_losses: u64,
+    /// Packets a timeout held on a silent path, resent once a packet sent after the
+    /// timeout was acknowledged on another path (see `Path::on_timeout`).
+    pub held_released: u64,
     /// CE marks the peers echoed back to this sender.
     pub ce_echoed: u64,
     pub rtos: u64,
@@ -54,7 +57,7 @@ pub struct Counters {
 impl Counters {
     /// Every counter by name, in declaration order: what exporters and the stats
     /// file print, so a new counter shows up there without another edit.
-    pub fn fields(&self) -> [(&'static str, u64); 36] {
+    pub fn fields(&self) -> [(&'static str, u64); 37] {
         [
             ("pkts_sent", self.pkts_sent),
             ("pkts_rcvd", self.pkts_rcvd),
@@ -71,6 +74,7 @@ impl Counters {
             ("gaps_seen", self.gaps_seen),
             ("late_losses", self.late_losses),
             ("spurious_late_losses", self.spurious_late_losses),
+            ("held_released", self.held_released),
             ("ce_rcvd", self.ce_rcvd),
             ("ce_echoed", self.ce_echoed),
             ("rtos", self.rtos),

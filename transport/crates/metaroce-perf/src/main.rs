@@ -551,7 +551,7 @@ fn client(a: &Args) -> Result<bool, String> {
             })
             .collect();
         println!(
-            "{{\"mode\":\"{}\",\"size\":{},\"messages\":{msgs},\"bytes\":{bytes},\"seconds\":{secs:.6},\"goodput_gbps\":{gbps:.6},\"goodput_mbit\":{:.3},\"packets_sent\":{sent},\"retransmits\":{retx},\"spurious_retransmits\":{spurious},\"ce_marks\":{ce},\"rtos\":{},\"spurious_rtos\":{},\"tlps\":{},\"late_losses\":{},\"spurious_late_losses\":{},\"acks_rcvd\":{},\"lat_p50_us\":{:.2},\"lat_p99_us\":{:.2},\"tx_dropped_local\":{},\"sock_rcvbuf\":{},\"sock_sndbuf\":{},\"paths\":[{}],\"bins_mbps\":[{}],\"acked_bins_mbps\":[{}],\"delivered_bins_mbps\":[{}],\"arrival_bins_mbps\":[{}],\"start_monotonic_s\":{start_monotonic:.6}}}",
+            "{{\"mode\":\"{}\",\"size\":{},\"messages\":{msgs},\"bytes\":{bytes},\"seconds\":{secs:.6},\"goodput_gbps\":{gbps:.6},\"goodput_mbit\":{:.3},\"packets_sent\":{sent},\"retransmits\":{retx},\"spurious_retransmits\":{spurious},\"ce_marks\":{ce},\"rtos\":{},\"spurious_rtos\":{},\"tlps\":{},\"late_losses\":{},\"spurious_late_losses\":{},\"sack_holes\":{},\"held_released\":{},\"acks_rcvd\":{},\"lat_p50_us\":{:.2},\"lat_p99_us\":{:.2},\"tx_dropped_local\":{},\"sock_rcvbuf\":{},\"sock_sndbuf\":{},\"paths\":[{}],\"bins_mbps\":[{}],\"acked_bins_mbps\":[{}],\"delivered_bins_mbps\":[{}],\"arrival_bins_mbps\":[{}],\"start_monotonic_s\":{start_monotonic:.6}}}",
             a.mode,
             a.size,
             gbps * 1000.0,
@@ -560,6 +560,8 @@ fn client(a: &Args) -> Result<bool, String> {
             c1.tlps - c0.tlps,
             c1.late_losses - c0.late_losses,
             c1.spurious_late_losses - c0.spurious_late_losses,
+            c1.sack_holes - c0.sack_holes,
+            c1.held_released - c0.held_released,
             c1.acks_rcvd - c0.acks_rcvd,
             percentile(&lat_us, 0.5),
             percentile(&lat_us, 0.99),
