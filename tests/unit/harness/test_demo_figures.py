@@ -1,5 +1,5 @@
 """The demo's figures: the ratio of medians and the paired ratio (each lossy run over
-the lossless run just before it)."""
+the lossless run just before it), with the least and greatest pair beside it."""
 
 from __future__ import annotations
 
@@ -15,6 +15,14 @@ def test_the_paired_ratio_follows_each_pair_through_a_drift() -> None:
         f.add(LOSS_PERCENT, lossy, 3)
     assert abs(f.paired_ratio() - 0.9) < 1e-9
     assert abs(f.ratio() - 0.9) < 1e-9
+    assert f.paired_column() == "0.90 (0.50-0.90)"
+
+
+def test_one_pair_has_no_spread_to_show() -> None:
+    f = Figures(METAROCE)
+    f.add(0.0, 0.10, 0)
+    f.add(LOSS_PERCENT, 0.08, 2)
+    assert f.paired_column() == "0.80"
 
 
 def test_a_lossless_run_that_moved_nothing_is_left_out_of_the_pairs() -> None:
