@@ -139,9 +139,10 @@ class Figures:
         pair between TCG guests lands anywhere from about 0.5 to 1.4 of its median, so a
         few runs' figure is no judge of a goal near it (docs/transport-measurements.md)."""
         ratios = paired_ratios(self.goodput[LOSS_PERCENT], self.goodput[0.0])
+        median = f"{statistics.median(ratios) if ratios else 0.0:.2f}"
         if len(ratios) < 2:
-            return f"{self.paired_ratio():.2f}"
-        return f"{self.paired_ratio():.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+            return median
+        return f"{median} ({min(ratios):.2f}-{max(ratios):.2f})"
 
 
 def step(title: str) -> float:
@@ -299,9 +300,8 @@ class Demo:
         r = {k: report.get(k, "-") for k in DETAIL_FIELDS}
         detail = (
             f" (gaps {r['sack_holes']}; timeouts {r['rtos']}, {r['spurious_rtos']} spurious; "
-            f"late {r['late_losses']}, "
-            f"{r['spurious_late_losses']} spurious; tail probes {r['tlps']}; the receiver "
-            f"had {r['spurious_retransmits']} already)"
+            f"late {r['late_losses']}, {r['spurious_late_losses']} spurious; tail probes "
+            f"{r['tlps']}; the receiver had {r['spurious_retransmits']} already)"
         )
         return float(report["goodput_gbps"]), int(report["retransmits"]), detail
 
