@@ -406,7 +406,7 @@ class Engine:
                 continue
             result.checked += 1
             try:
-                problem = step.verify(self.host)
+                problem = step.check_drift(self.host)
             except Exception as e:
                 problem = f"cannot read back: {e}"
             if problem is None:

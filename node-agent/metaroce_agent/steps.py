@@ -88,6 +88,11 @@ class Step:
     def verify(self, host: Host) -> str | None:
         raise NotImplementedError
 
+    def check_drift(self, host: Host) -> str | None:
+        """What the periodic drift pass reads back: by default `verify`. A step whose
+        verify is a costly test reads back what would change that test's verdict."""
+        return self.verify(host)
+
     def undo(self, host: Host, snapshot: Json) -> None:
         return None
 

@@ -54,6 +54,20 @@ class RealSelfTest:
         return self.kernel.run(argv, check=check, timeout=timeout)
 
 
+@dataclass
+class CountingSelfTest(RealSelfTest):
+    """RealSelfTest that counts the self-tests it ran."""
+
+    self_tests: int = 0
+
+    def run(
+        self, argv: Sequence[str], *, check: bool = True, timeout: float = 60.0
+    ) -> CommandResult:
+        if "metaroce_agent.transport.selftest" in argv:
+            self.self_tests += 1
+        return super().run(argv, check=check, timeout=timeout)
+
+
 def _host(n: Any) -> FixtureHost:
     return FixtureHost(n.tree.root, runner=RealSelfTest(n.kernel, SubprocessRunner()))
 
@@ -156,6 +170,29 @@ def test_install_verify_and_undo_with_the_real_library(node, image) -> None:  # 
     undo = Engine(host, Journal(host, cfg.network)).revert()
     assert not undo.errors, undo.errors
     assert not host.exists(f"{HOST_ROOT}/{cfg.network}")
+
+
+def test_the_drift_pass_reads_checksums_and_self_tests_only_a_repair(node, image) -> None:  # type: ignore[no-untyped-def]
+    # The self-test took 32 s of an emulated node's CPU; each drift pass (every 5
+    # minutes, on every node) ran it under the training pods.
+    n = node(softroce_node)
+    runner = CountingSelfTest(n.kernel, SubprocessRunner())
+    host = FixtureHost(n.tree.root, runner=runner)
+    cfg = make_config(nics={"interfaceNames": ["eth0"]}, transport=METAROCE, qos=LOSSY)
+    inv = n.inventory()
+    plan = make_plan(cfg, inv, n.caps(cfg, inv))
+    engine = Engine(host, Journal(host, cfg.network))
+    assert engine.apply(plan).ok
+    assert runner.self_tests == 1  # the apply's verify
+    drift = engine.drift(plan)
+    assert drift.checked and not drift.repaired and not drift.errors
+    assert runner.self_tests == 1  # checksums only
+    # a damaged file is still drift: replaced, and the new install self-tested
+    assert plan.library is not None
+    os.chmod(host.path(plan.library.directory) / "lib/libnccl-net-metaroce.so", 0o644)
+    drift = engine.drift(plan)
+    assert [s.knob for s, _ in drift.repaired] == ["transport-library"], drift
+    assert runner.self_tests == 2
 
 
 def test_the_self_test_fails_on_a_broken_library(node, image, tmp_path) -> None:  # type: ignore[no-untyped-def]
