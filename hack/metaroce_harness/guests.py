@@ -875,6 +875,16 @@ class Guest:
             return 0
         return text.count("NETDEV WATCHDOG")
 
+    def nic_ring(self, ring: str) -> dict[str, Any]:
+        """qemu's state of the L2 NIC's ``rx`` or ``tx`` ring (QMP's
+        ``x-query-virtio-queue-status``); raises ``QmpError``."""
+        status: dict[str, Any] = qmp_command(
+            self.qmp_socket,
+            "x-query-virtio-queue-status",
+            {"path": L2_NIC_PATH, "queue": {"rx": 0, "tx": 1}[ring]},
+        )
+        return status
+
     def nic_queues(self) -> str:
         """What qemu holds of the L2 NIC's receive and transmit rings: how far the guest
         has posted buffers (avail), how far qemu has taken them and filled them (used),
@@ -882,13 +892,9 @@ class Guest:
         whose buffers qemu has all taken waits on the guest; one with buffers left while
         the tap holds frames waits on qemu."""
         lines = []
-        for queue_index, ring in ((0, "rx"), (1, "tx")):
+        for ring in ("rx", "tx"):
             try:
-                st = qmp_command(
-                    self.qmp_socket,
-                    "x-query-virtio-queue-status",
-                    {"path": L2_NIC_PATH, "queue": queue_index},
-                )
+                st = self.nic_ring(ring)
             except QmpError as exc:
                 lines.append(f"{self.name} eth0 {ring} ring: not readable over QMP: {exc}")
                 continue
@@ -898,7 +904,26 @@ class Guest:
                 f"used {st['used-idx']}, signalled {st['signalled-used']}, "
                 f"in use {st['inuse']}"
             )
+        lines.append(self._nic_state())
         return "\n".join(lines)
+
+    def _nic_state(self) -> str:
+        """The L2 NIC's device state as qemu holds it (broken after a virtio error, the
+        driver's status bits) and its receive filter (what it would drop unread)."""
+        try:
+            dev = qmp_command(self.qmp_socket, "x-query-virtio-status", {"path": L2_NIC_PATH})
+            filters = qmp_command(self.qmp_socket, "query-rx-filter", {"name": L2_NIC_ID})
+        except QmpError as exc:
+            return f"{self.name} eth0 device: not readable over QMP: {exc}"
+        status = [s.split(":")[0].removeprefix("VIRTIO_CONFIG_S_") for s in
+                  dev.get("status", {}).get("statuses", [])]  # fmt: skip
+        f = filters[0] if filters else {}
+        return (
+            f"{self.name} eth0 device: broken {dev.get('broken')}, status {'|'.join(status)}, "
+            f"vm running {dev.get('vm-running')}; rx filter: promiscuous "
+            f"{f.get('promiscuous')}, unicast {f.get('unicast')}, multicast "
+            f"{f.get('multicast')}, main mac {f.get('main-mac')}"
+        )
 
     def console_tail(self, lines: int = 25) -> str:
         try:

@@ -5,14 +5,20 @@ Seen in CI on 2026-12-04 and 2026-12-05, each time in the middle of an ib_write_
 between the real nodes: the bridge kept handing frames to both taps, but neither guest's
 ``eth0`` counted one more received frame, and the L2 stayed dead for the rest of the run,
 so every later cross-node test failed too. No setting of the network explains it: it is
-the emulated NIC (qemu's virtio-net under TCG) or the guest's receive path.
+the emulated NIC (qemu's virtio-net under TCG) or the guest's receive path. Seen again on
+2026-12-06 with qemu's view of the rings: 234 receive buffers posted and none taken, the
+tap holding frames, while the guest still sent; a flush of qemu's queue (``set_link``)
+and the guest's down/up did not revive it. No GSO frames cross this L2 (the NIC offers no
+offloads), so it is not qemu's stall on a frame larger than the posted buffers.
 
 - ``l2_unreachable(cluster)``: the ``src->dst`` pairs whose ping over ``eth0`` fails now.
 - ``heal_l2(cluster)``: None while every pair answers; otherwise the L2's report as it is
   (``GuestCluster.l2_report``: taps, NIC counters, interrupts, qemu's view of the rings),
   then pokes, gentlest first, until the pairs answer again: qemu reads its taps again
-  (``set_link`` up, which flushes what it had stopped reading), a carrier flap, and last
-  the guest's own ``ip link set eth0 down/up`` (``bounce_nic``: its routes put back).
+  (``set_link`` up, which flushes what it had stopped reading), a carrier flap, a reset of
+  the NIC's receive queue (``reset_rx_queue``: qemu drops what it held of the ring and
+  starts it again, addresses and routes untouched), and last the guest's own
+  ``ip link set eth0 down/up`` (``bounce_nic``: its routes put back).
   Returns what was dead, the report and what revived it; raises ``GuestError`` with all
   of that when nothing did. Every revival is kept in ``heals`` so that a test run prints
   it.
@@ -101,6 +107,10 @@ def _pokes(cluster: GuestCluster) -> list[tuple[str, Callable[[], None]]]:
         time.sleep(1)
         set_link(True)
 
+    def reset_rx() -> None:
+        for g in cluster:
+            reset_rx_queue(g)
+
     def bounce() -> None:
         for g in cluster:
             bounce_nic(g)
@@ -108,8 +118,22 @@ def _pokes(cluster: GuestCluster) -> list[tuple[str, Callable[[], None]]]:
     return [
         ("qemu reads each tap again (QMP set_link up)", lambda: set_link(True)),
         ("a carrier flap of each guest's eth0 (QMP set_link off, on)", flap),
+        ("a reset of each guest's eth0 receive queue (ethtool -G rx)", reset_rx),
         ("ip link set eth0 down/up in each guest, its routes put back", bounce),
     ]
+
+
+def reset_rx_queue(guest: Guest) -> None:
+    """Resize eth0's receive ring to half and back (``ethtool -G``): with virtio's queue
+    reset (negotiated by qemu 7.2 and Linux 6.1) the driver resets that one queue, qemu
+    drops what it held of it (its queued frames, its ring indices) and both start it
+    again from fresh buffers; the addresses, routes and RDMA devices on eth0 stay."""
+    script = (
+        "max=$(ethtool -g eth0 | awk '/^RX:/ {print $2; exit}'); "
+        '[ -n "$max" ] || exit 1; '
+        "ethtool -G eth0 rx $((max / 2)) && ethtool -G eth0 rx $max"
+    )
+    guest.run(script, timeout=30, check=True)
 
 
 def bounce_nic(guest: Guest) -> None:
