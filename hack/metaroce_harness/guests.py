@@ -878,19 +878,21 @@ class Guest:
     def nic_ring(self, ring: str) -> dict[str, Any]:
         """qemu's state of the L2 NIC's ``rx`` or ``tx`` ring (QMP's
         ``x-query-virtio-queue-status``); raises ``QmpError``."""
-        status: dict[str, Any] = qmp_command(
-            self.qmp_socket,
-            "x-query-virtio-queue-status",
-            {"path": L2_NIC_PATH, "queue": {"rx": 0, "tx": 1}[ring]},
-        )
+        where = {"path": L2_NIC_PATH, "queue": {"rx": 0, "tx": 1}[ring]}
+        status: dict[str, Any] = qmp_command(self.qmp_socket, "x-query-virtio-queue-status", where)
+        # the guest's own avail index, read from its memory now: what it has posted,
+        # which qemu's shadow index only catches up with when it looks
+        element = qmp_command(self.qmp_socket, "x-query-virtio-queue-element", where)
+        status["posted"] = element["avail"]["idx"]
         return status
 
     def nic_queues(self) -> str:
         """What qemu holds of the L2 NIC's receive and transmit rings: how far the guest
-        has posted buffers (avail), how far qemu has taken them and filled them (used),
-        and the last used index it interrupted the guest for (signalled). A receive ring
-        whose buffers qemu has all taken waits on the guest; one with buffers left while
-        the tap holds frames waits on qemu."""
+        has posted buffers (posted, in its memory now; avail, as qemu last looked), how
+        far qemu has taken them and filled them (used), and the last used index it
+        interrupted the guest for (signalled). A transmit ring posted past what qemu took
+        waits on qemu (or on a kick that never came); a receive ring whose buffers qemu
+        has all taken waits on the guest."""
         lines = []
         for ring in ("rx", "tx"):
             try:
@@ -900,7 +902,8 @@ class Guest:
                 continue
             lines.append(
                 f"{self.name} eth0 {ring} ring (qemu's view, {st['vring-num']} slots): "
-                f"avail {st['shadow-avail-idx']}, taken {st['last-avail-idx']}, "
+                f"posted {st['posted']}, avail {st['shadow-avail-idx']}, "
+                f"taken {st['last-avail-idx']}, "
                 f"used {st['used-idx']}, signalled {st['signalled-used']}, "
                 f"in use {st['inuse']}"
             )
@@ -1330,6 +1333,15 @@ class GuestCluster:
         ]
         if self.kernel_args:
             cmdline.append(self.kernel_args)
+        # event_idx=off: with virtio's event index, a guest sending flat out (ib_write_bw
+        # over rxe) lost a transmit kick every few minutes under TCG: qemu's avail_event
+        # stayed behind the guest's avail index, qemu waited for a kick that never came and
+        # the L2 was dead one way (a manual kick revived it). The used ring's no-notify
+        # flag has not lost one since (l2_health's docstring has the figures).
+        l2_nic = (
+            f"virtio-net-pci,netdev={L2_NETDEV_ID},id={L2_NIC_ID},mac={g.mac},romfile=,"
+            "event_idx=off"
+        )
         argv = [
             self.qemu,
             "-name", f"{g.name},process=metaroce-{g.name}",
@@ -1345,7 +1357,7 @@ class GuestCluster:
             "-serial", f"file:{g.console_log}",
             "-device", "virtio-rng-pci",
             "-netdev", self._l2_netdev(g),
-            "-device", f"virtio-net-pci,netdev={L2_NETDEV_ID},id={L2_NIC_ID},mac={g.mac},romfile=",
+            "-device", l2_nic,
             "-netdev", ",".join(["user,id=wan,net=10.0.2.0/24", *hostfwd]),
             "-device",
             f"virtio-net-pci,netdev=wan,mac=52:54:00:02:{n >> 8:02x}:{n & 0xFF:02x},romfile=",

@@ -1,23 +1,27 @@
 """Whether the guests still reach each other over their private L2, and reviving an
 emulated NIC that stopped taking frames.
 
-Seen in CI on 2026-12-04 and 2026-12-05, each time in the middle of an ib_write_bw
-between the real nodes: the bridge kept handing frames to both taps, but neither guest's
-``eth0`` counted one more received frame, and the L2 stayed dead for the rest of the run,
-so every later cross-node test failed too. No setting of the network explains it: it is
-the emulated NIC (qemu's virtio-net under TCG) or the guest's receive path. Seen again on
-2026-12-06 with qemu's view of the rings: 234 receive buffers posted and none taken, the
-tap holding frames, while the guest still sent; a flush of qemu's queue (``set_link``)
-and the guest's down/up did not revive it. No GSO frames cross this L2 (the NIC offers no
-offloads), so it is not qemu's stall on a frame larger than the posted buffers.
+Seen in CI on 2026-12-04, 2026-12-05 and 2026-12-06, each time in the middle of an
+ib_write_bw between the real nodes, and the L2 stayed dead for the rest of the run, so
+every later cross-node test failed too. Reproduced on 2026-12-06 by back-to-back 30 s
+ib_write_bw runs (64 KiB, one in flight) between two bare guests, twice within seven
+runs: the sender's transmit ring held 131-197 frames its guest had posted (its avail
+index, read from guest memory) that qemu never took, qemu's avail_event sat at the index
+it had taken up to, and qemu was not waiting on the tap (no POLLOUT): it waited for a
+kick that never came. The receiver's ring merely starved. A manual kick (the
+guest writing the queue's notify register) revived it; a flush (``set_link``), a carrier
+flap or ``ip link set eth0 down/up`` did not. A late revival can cost the guest: rxe frees
+a QP whose frames still sit in the ring when the QP's process exits (a WARNING in
+``__rxe_cleanup``), and the frames' destructor then dereferences it. The guests' L2 NIC
+therefore runs without virtio's event index (``event_idx=off`` in ``guests``); with it
+off, the same stress moved data for 15 minutes without a stall (figures in the commit).
 
 - ``l2_unreachable(cluster)``: the ``src->dst`` pairs whose ping over ``eth0`` fails now.
 - ``heal_l2(cluster)``: None while every pair answers; otherwise the L2's report as it is
   (``GuestCluster.l2_report``: taps, NIC counters, interrupts, qemu's view of the rings),
   then pokes, gentlest first, until the pairs answer again: qemu reads its taps again
-  (``set_link`` up, which flushes what it had stopped reading), a carrier flap, a reset of
-  the NIC's receive queue (``reset_rx_queue``: qemu drops what it held of the ring and
-  starts it again, addresses and routes untouched), and last the guest's own
+  (``set_link`` up, which flushes what it had stopped reading), a carrier flap, a kick of
+  each queue of the NIC from inside the guest (``kick_nic``), and last the guest's own
   ``ip link set eth0 down/up`` (``bounce_nic``: its routes put back).
   Returns what was dead, the report and what revived it; raises ``GuestError`` with all
   of that when nothing did. Every revival is kept in ``heals`` so that a test run prints
@@ -107,9 +111,9 @@ def _pokes(cluster: GuestCluster) -> list[tuple[str, Callable[[], None]]]:
         time.sleep(1)
         set_link(True)
 
-    def reset_rx() -> None:
+    def kick() -> None:
         for g in cluster:
-            reset_rx_queue(g)
+            kick_nic(g)
 
     def bounce() -> None:
         for g in cluster:
@@ -118,20 +122,21 @@ def _pokes(cluster: GuestCluster) -> list[tuple[str, Callable[[], None]]]:
     return [
         ("qemu reads each tap again (QMP set_link up)", lambda: set_link(True)),
         ("a carrier flap of each guest's eth0 (QMP set_link off, on)", flap),
-        ("a reset of each guest's eth0 receive queue (ethtool -G rx)", reset_rx),
+        ("a kick of each guest's eth0 queues (their notify register)", kick),
         ("ip link set eth0 down/up in each guest, its routes put back", bounce),
     ]
 
 
-def reset_rx_queue(guest: Guest) -> None:
-    """Resize eth0's receive ring to half and back (``ethtool -G``): with virtio's queue
-    reset (negotiated by qemu 7.2 and Linux 6.1) the driver resets that one queue, qemu
-    drops what it held of it (its queued frames, its ring indices) and both start it
-    again from fresh buffers; the addresses, routes and RDMA devices on eth0 stay."""
+def kick_nic(guest: Guest) -> None:
+    """Notify qemu of eth0's receive (0) and transmit (1) queues as the driver would: one
+    byte, the queue's index, to the legacy notify register (offset 16 of the device's I/O
+    BAR; the memory BAR is the driver's alone). qemu then looks at the ring again, which
+    revives one whose kick was lost (see above)."""
     script = (
-        "max=$(ethtool -g eth0 | awk '/^RX:/ {print $2; exit}'); "
-        '[ -n "$max" ] || exit 1; '
-        "ethtool -G eth0 rx $((max / 2)) && ethtool -G eth0 rx $max"
+        "read -r start _ flags < /sys/class/net/eth0/device/../resource; "
+        "(( flags & 0x100 )) || { echo 'eth0: BAR 0 is not an I/O BAR' >&2; exit 1; }; "
+        'for q in 0 1; do printf "\\x0$q" | '
+        "dd of=/dev/port bs=1 seek=$((start + 16)) count=1 status=none || exit 1; done"
     )
     guest.run(script, timeout=30, check=True)
 
